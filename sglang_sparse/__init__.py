@@ -1,0 +1,1 @@
+"""sglang-sparse: sparse recurrent-state prefix caching for hybrid LLMs."""

@@ -1,0 +1,46 @@
+"""Where to put recurrent-state checkpoints along a cached prefix (pure math, numpy only).
+
+* :class:`DepthLaw` - an overlap-depth distribution binned onto candidate positions.
+* :func:`solve_dp` - the exact O(N·M) placement (monotone convex-hull trick);
+  :func:`solve_dp_reference` - the textbook O(N²·M) DP it is tested against.
+* Baselines with one interface: :data:`BASELINES` (block, balanced, log, sqrt, last).
+* :class:`DepthHistogram` - exponentially weighted depth histogram with a refresh period.
+* :func:`evaluate_placement` - expected / worst-case recompute of any checkpoint set.
+"""
+
+from .baselines import (
+    BASELINES,
+    balanced_placement,
+    block_budget_placement,
+    block_placement,
+    last_only_placement,
+    log_placement,
+    sqrt_placement,
+)
+from .dp import HAVE_NATIVE, Placement, solve_dp, solve_dp_native, solve_dp_python, solve_dp_reference
+from .evaluate import RecomputeStats, evaluate_placement, resume_points
+from .histogram import DepthHistogram
+from .law import DEFAULT_GRID, DepthLaw, grid_candidates
+
+__all__ = [
+    "BASELINES",
+    "DEFAULT_GRID",
+    "HAVE_NATIVE",
+    "DepthHistogram",
+    "DepthLaw",
+    "Placement",
+    "RecomputeStats",
+    "balanced_placement",
+    "block_budget_placement",
+    "block_placement",
+    "evaluate_placement",
+    "grid_candidates",
+    "last_only_placement",
+    "log_placement",
+    "resume_points",
+    "solve_dp",
+    "solve_dp_native",
+    "solve_dp_python",
+    "solve_dp_reference",
+    "sqrt_placement",
+]
