@@ -1,0 +1,65 @@
+"""The project's main job: build the bundled traces, then run the benchmarks on them.
+
+``python -m benchmarks`` runs every stage with its default (small) size; ``--only`` picks
+stages, ``--quick`` shrinks each one. Each stage prints its table and writes JSON/PNG under
+``benchmarks/results/``. Stages:
+
+* ``traces``    - build the four traces from ``../shared/data`` into ``traces/build/``
+* ``placement`` - checkpoint placement Pareto fronts + DP solve time (benchmarks/placement.py)
+* ``sim``       - cache policies on the traces at several cache sizes (benchmarks/sim_compare.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+import time
+
+from ._common import REPO
+
+STAGES = ("traces", "placement", "sim")
+
+
+def run_stage(name: str, quick: bool) -> None:
+    if name == "traces":
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang_sparse.traces",
+            "build",
+            "all",
+            "--out",
+            str(REPO / "traces" / "build"),
+        ]
+        subprocess.run(cmd, check=True, cwd=REPO)
+        return
+    module = {"placement": "benchmarks.placement", "sim": "benchmarks.sim_compare"}[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            print(f"[benchmarks] stage {name!r} is not available yet ({module} missing); skipped")
+            return
+        raise
+    rc = mod.main(["--quick"] if quick else [])
+    if rc:
+        raise SystemExit(rc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", choices=STAGES, default=list(STAGES), help="stages to run, in order")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    args = ap.parse_args(argv)
+    for name in args.only:
+        t0 = time.perf_counter()
+        print(f"\n[benchmarks] === {name} ===", flush=True)
+        run_stage(name, args.quick)
+        print(f"[benchmarks] {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

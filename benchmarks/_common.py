@@ -1,0 +1,53 @@
+"""Small helpers shared by the benchmark scripts: results folder, JSON output, progress bars."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` (plus machine info) to ``benchmarks/results/<name>.json``."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "machine": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
+        **payload,
+    }
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def progress(it: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
+    """tqdm when installed (to stderr), else the bare iterable."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the bench extra
+        yield from it
+        return
+    yield from tqdm(it, total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    """A plain fixed-width text table."""
+    cells = [[str(c) for c in header]] + [
+        [f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
