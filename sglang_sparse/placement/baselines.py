@@ -33,7 +33,9 @@ def _check(length: int, budget: int, grid: int) -> None:
         raise ValueError(f"need length >= 0, budget >= 0, grid > 0; got {length}, {budget}, {grid}")
 
 
-def block_placement(length: int, block_size: int, grid: int = DEFAULT_GRID, origin: int = 0) -> tuple[int, ...]:
+def block_placement(
+    length: int, block_size: int, grid: int = DEFAULT_GRID, origin: int = 0
+) -> tuple[int, ...]:
     """Block caching (vLLM-style): a checkpoint every ``block_size`` tokens (a grid multiple)."""
     if block_size <= 0 or block_size % grid:
         raise ValueError(f"block_size must be a positive multiple of the grid ({grid}), got {block_size}")
@@ -42,7 +44,9 @@ def block_placement(length: int, block_size: int, grid: int = DEFAULT_GRID, orig
     return tuple(range(first, length + 1, block_size))
 
 
-def block_budget_placement(length: int, budget: int, grid: int = DEFAULT_GRID, origin: int = 0) -> tuple[int, ...]:
+def block_budget_placement(
+    length: int, budget: int, grid: int = DEFAULT_GRID, origin: int = 0
+) -> tuple[int, ...]:
     """Block caching with the smallest grid-multiple block size that fits ``budget`` checkpoints."""
     _check(length, budget, grid)
     n = grid_candidates(length, grid, origin).size
@@ -52,7 +56,9 @@ def block_budget_placement(length: int, budget: int, grid: int = DEFAULT_GRID, o
     return block_placement(length, block, grid, origin)[:budget]
 
 
-def balanced_placement(length: int, budget: int, grid: int = DEFAULT_GRID, origin: int = 0) -> tuple[int, ...]:
+def balanced_placement(
+    length: int, budget: int, grid: int = DEFAULT_GRID, origin: int = 0
+) -> tuple[int, ...]:
     """``budget`` checkpoints evenly spaced: on the grid points ``origin, c_1..c_n`` the groups each
     checkpoint serves differ in size by at most one (optimal for a uniform law, Theorem 1)."""
     _check(length, budget, grid)
@@ -92,7 +98,9 @@ def sqrt_placement(length: int, budget: int, grid: int = DEFAULT_GRID, origin: i
     return _snap(origin + span * np.sqrt(k / budget), length, grid, origin)
 
 
-def last_only_placement(length: int, budget: int, grid: int = DEFAULT_GRID, origin: int = 0) -> tuple[int, ...]:
+def last_only_placement(
+    length: int, budget: int, grid: int = DEFAULT_GRID, origin: int = 0
+) -> tuple[int, ...]:
     """One checkpoint at the deepest grid position (what a plain prefix cache keeps)."""
     _check(length, budget, grid)
     cands = grid_candidates(length, grid, origin)

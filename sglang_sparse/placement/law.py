@@ -26,7 +26,9 @@ DEFAULT_GRID = 64
 """SGLang's recurrent-state chunk size: checkpoints live on multiples of 64 tokens."""
 
 
-def grid_candidates(length: int, grid: int = DEFAULT_GRID, origin: int = 0, include_end: bool = False) -> np.ndarray:
+def grid_candidates(
+    length: int, grid: int = DEFAULT_GRID, origin: int = 0, include_end: bool = False
+) -> np.ndarray:
     """Candidate checkpoint positions in ``(origin, length]``: multiples of ``grid`` (absolute).
 
     With ``include_end`` the position ``length`` itself is a candidate even when it is off the
@@ -114,7 +116,9 @@ class DepthLaw:
         include_end: bool = False,
     ) -> DepthLaw:
         """:meth:`from_depths` with the grid candidates of a prefix of ``length`` tokens."""
-        return DepthLaw.from_depths(depths, weights, grid_candidates(length, grid, origin, include_end), origin)
+        return DepthLaw.from_depths(
+            depths, weights, grid_candidates(length, grid, origin, include_end), origin
+        )
 
     def server_index(self, chosen: Sequence[int] | np.ndarray) -> np.ndarray:
         """For every bin, the index (into ``positions``) of the deepest chosen position at or below it.
