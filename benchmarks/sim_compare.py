@@ -1,0 +1,112 @@
+"""Cache-size sweeps of every policy on the benchmark traces: hit rate, FLOPs saved, recompute.
+
+Cache sizes are fractions of the trace's infinite-cache KV footprint (unique cached tokens x KV
+bytes per token). Writes ``benchmarks/results/sim_compare.json`` and one PNG per trace (token hit
+rate and FLOPs saved vs cache size per policy) and prints a table. Falls back to small synthetic
+traces when ``traces/build/*.jsonl`` are missing (``python -m sglang_sparse.traces build all``).
+
+    python benchmarks/sim_compare.py [--quick] [--traces doc_qa system_prompts agent] [--policies ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from sglang_sparse.policy import POLICY_NAMES
+from sglang_sparse.sim import OracleLaw, cost_model, load_trace, simulate, synthetic_trace
+
+FULL_FRACS = (0.05, 0.1, 0.2, 0.3, 0.5)
+QUICK_FRACS = (0.1, 0.3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="two cache sizes only")
+    ap.add_argument("--traces", nargs="+", default=["doc_qa", "system_prompts", "agent"])
+    ap.add_argument("--policies", nargs="+", default=[p for p in POLICY_NAMES if p != "sparse_law"])
+    ap.add_argument("--fracs", nargs="+", type=float, default=None)
+    ap.add_argument("--model", default="qwen3-next-80b-a3b")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    fracs = tuple(args.fracs) if args.fracs else (QUICK_FRACS if args.quick else FULL_FRACS)
+    cm = cost_model(args.model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"model": args.model, "fracs": fracs, "traces": {}}
+    jobs = [(t, f, p) for t in args.traces for f in fracs for p in args.policies]
+    bar = tqdm(total=len(jobs), desc="sim_compare")
+    for tname in args.traces:
+        path = Path("traces/build") / f"{tname}.jsonl"
+        reqs = load_trace(path) if path.exists() else synthetic_trace(tname, 300, seed=0)
+        oracle = OracleLaw(reqs)
+        footprint = oracle.inf.kv_tokens * cm.kv_bytes_per_token
+        rows = []
+        for frac in fracs:
+            size = int(footprint * frac)
+            for pol in args.policies:
+                t0 = time.perf_counter()
+                r = simulate(reqs, pol, size, cm, oracle=oracle, keep_records=False)
+                s = r.summary()
+                s.update(
+                    frac=frac,
+                    seconds=time.perf_counter() - t0,
+                    source=str(path) if path.exists() else "synthetic",
+                )
+                rows.append(s)
+                bar.update(1)
+        results["traces"][tname] = {"footprint_bytes": footprint, "requests": len(reqs), "rows": rows}
+        _plot(tname, rows, args.policies, out)
+    bar.close()
+    (out / "sim_compare.json").write_text(json.dumps(results, indent=1))
+    _table(results, args.policies)
+
+
+def _plot(tname: str, rows: list[dict], policies: list[str], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plots")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for pol in policies:
+        rs = [r for r in rows if r["policy"] == pol]
+        x = [r["cache_bytes"] / 2**30 for r in rs]
+        axes[0].plot(x, [r["token_hit_rate"] for r in rs], marker="o", label=pol)
+        axes[1].plot(x, [r["flops_saved_frac"] for r in rs], marker="o", label=pol)
+    for ax, yl in zip(axes, ("token hit rate (resumable)", "FLOPs saved (fraction of prefill)"), strict=True):
+        ax.set_xlabel("cache size (GiB)")
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{tname}")
+    fig.tight_layout()
+    fig.savefig(out / f"sim_compare_{tname}.png", dpi=110)
+    plt.close(fig)
+
+
+def _table(results: dict, policies: list[str]) -> None:
+    for tname, tr in results["traces"].items():
+        print(f"\n== {tname} ({tr['requests']} requests, footprint {tr['footprint_bytes'] / 2**30:.1f} GiB)")
+        print(f"{'size GiB':>9} " + " ".join(f"{p:>22}" for p in policies))
+        for frac in results["fracs"]:
+            rs = {r["policy"]: r for r in tr["rows"] if r["frac"] == frac}
+            size = next(iter(rs.values()))["cache_bytes"] / 2**30
+            cells = [
+                f"{rs[p]['token_hit_rate']:.3f}/{rs[p]['flops_saved_frac']:.3f}/"
+                f"{rs[p]['recomputed_tokens'] / 1e3:.0f}k"
+                for p in policies
+            ]
+            print(f"{size:9.1f} " + " ".join(f"{c:>22}" for c in cells))
+    print("\ncells: token hit rate / FLOPs saved fraction / recomputed recurrent tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Admission: which recurrent-state positions a request captures (during prefill or after decode).
+
+All positions are absolute token depths. A request resuming at ``resume_depth`` can only capture
+positions it computes, i.e. ``resume_depth < p <= total_len`` where ``total_len`` counts input +
+output tokens; positions ``<= len(input)`` are captured during prefill, deeper ones during decode.
+
+* ``marconi`` (Marconi speculative insertion, arXiv 2411.19379 sec. 4.1, on SGLang's chunk grid):
+  the chunk-aligned branch point ``floor(kv_depth / grid) * grid`` when the request would create a
+  new branch (its input continues past the KV match and the match does not end at a leaf's end), plus
+  the state after the last token (``total_len``).
+* ``block``: every multiple of ``block`` tokens (vLLM-style, independent of the tree).
+* ``dp``: the DP plans of the edges on the matched path (:meth:`RadixTree.planned_captures`), plus
+  the last-token state.
+* ``dp_marconi``: union of ``dp`` and ``marconi``.
+"""
+
+from __future__ import annotations
+
+from sglang_sparse.placement import DEFAULT_GRID
+from sglang_sparse.tree import MatchResult, RadixTree
+
+ADMISSIONS = ("marconi", "block", "dp", "dp_marconi")
+
+
+def marconi_branch_point(match: MatchResult, input_len: int, grid: int = DEFAULT_GRID) -> int | None:
+    """Chunk-aligned depth where this request would split the tree, or ``None`` if it creates no branch."""
+    d = match.kv_depth
+    if d == 0 or d >= input_len:
+        return None
+    node = match.node
+    if d == node.end and not node.children:
+        return None  # extends a leaf: no new branch
+    p = (d // grid) * grid
+    return p if p > 0 else None
+
+
+def capture_positions(
+    kind: str,
+    tree: RadixTree,
+    match: MatchResult,
+    input_len: int,
+    total_len: int,
+    *,
+    grid: int = DEFAULT_GRID,
+    block: int = 32,
+) -> list[int]:
+    """Sorted positions in ``(match.resume_depth, total_len]`` to capture for this request."""
+    if kind not in ADMISSIONS:
+        raise ValueError(f"unknown admission {kind!r}; valid: {', '.join(ADMISSIONS)}")
+    if total_len < input_len:
+        raise ValueError(f"total_len ({total_len}) < input_len ({input_len})")
+    lo = match.resume_depth
+    pos: set[int] = set()
+    if kind == "block":
+        pos.update(range((lo // block + 1) * block, total_len + 1, block))
+    else:
+        if total_len > 0:
+            pos.add(total_len)
+        if kind in ("marconi", "dp_marconi"):
+            b = marconi_branch_point(match, input_len, grid)
+            if b is not None:
+                pos.add(b)
+        if kind in ("dp", "dp_marconi"):
+            pos.update(tree.planned_captures(match))
+    return sorted(p for p in pos if lo < p <= total_len)

@@ -1,0 +1,146 @@
+"""The policy-driven hybrid prefix cache: one object the simulator and the SGLang adapter drive.
+
+Per request (SGLang mapping in brackets)::
+
+    m = cache.match(input_ids)                 # pure; may be called many times [match_prefix]
+    cache.observe(m)                           # once, when the request is admitted
+    cache.lock(m.node)                         # [inc_lock_ref]
+    plan = cache.capture_plan(m, len(input_ids), len(input_ids) + n_output)
+    ... prefill from m.resume_depth, capturing states at plan positions ...
+    res = cache.insert(tokens, kv, {p: state}, kv_offset=m.resume_depth)   # [cache_finished_req]
+    free(res.unused_kv); free(res.unused_states)
+    cache.unlock(m.node)                       # [dec_lock_ref]
+    freed = cache.evict_to_budget()            # or cache.evict(num_bytes) [evict]
+    free(freed.kv); free(freed.states)
+
+Units: tokens, bytes (``budget_bytes`` is shared by KV and states), FLOPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sglang_sparse.placement import DEFAULT_GRID
+from sglang_sparse.tree import Freed, InsertResult, KVOps, MatchResult, Node, RadixTree
+from sglang_sparse.tree.radix import LawProvider, Tokens
+
+from .admission import capture_positions
+from .cost_model import ModelCostModel
+from .eviction import Evictor
+from .registry import PolicySpec, get_policy
+
+
+class HybridCache:
+    """Radix tree + named policy + global byte budget."""
+
+    def __init__(
+        self,
+        policy: str | PolicySpec,
+        *,
+        budget_bytes: int,
+        cost: ModelCostModel | None = None,
+        kv_bytes_per_token: int | None = None,
+        state_bytes: int | None = None,
+        alpha: float = 0.0,
+        kv_ops: KVOps | None = None,
+        law_provider: LawProvider | None = None,
+        gamma: float = 0.99,
+        refresh: int = 10,
+        plan_budget: int = 4,
+        grid: int = DEFAULT_GRID,
+    ) -> None:
+        self.spec = get_policy(policy)
+        if cost is not None:
+            kv_bytes_per_token = cost.kv_bytes_per_token if kv_bytes_per_token is None else kv_bytes_per_token
+            state_bytes = cost.state_bytes if state_bytes is None else state_bytes
+        if kv_bytes_per_token is None or state_bytes is None:
+            raise ValueError("give a cost model or both kv_bytes_per_token and state_bytes")
+        if state_bytes <= 0:
+            raise ValueError(f"state_bytes must be > 0, got {state_bytes}")
+        if budget_bytes < state_bytes:
+            raise ValueError(
+                f"budget_bytes={budget_bytes} is smaller than one recurrent state ({state_bytes} bytes)"
+            )
+        if self.spec.needs_law_provider and law_provider is None:
+            raise ValueError(f"policy {self.spec.name!r} needs a law_provider (simulator oracle)")
+        if self.spec.flop_aware and cost is None:
+            raise ValueError(f"policy {self.spec.name!r} is FLOP-aware and needs a cost model")
+        self.budget_bytes = int(budget_bytes)
+        self.cost = cost
+        self.tree = RadixTree(
+            kv_bytes_per_token,
+            state_bytes,
+            kv_ops=kv_ops,
+            gamma=gamma,
+            refresh=refresh,
+            plan_budget=plan_budget,
+            grid=grid,
+            law_provider=law_provider,
+        )
+        self.grid = grid
+        self.evictor = Evictor(self.tree, self.spec.eviction, cost, alpha if self.spec.flop_aware else 0.0)
+
+    # ------------------------------------------------------------------ knobs
+
+    @property
+    def alpha(self) -> float:
+        return self.evictor.alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        if not self.spec.flop_aware and value != 0:
+            raise ValueError(f"policy {self.spec.name!r} is not FLOP-aware; alpha must stay 0")
+        if value < 0:
+            raise ValueError(f"alpha must be >= 0, got {value}")
+        self.evictor.alpha = float(value)
+
+    @property
+    def bytes_used(self) -> int:
+        return self.tree.bytes_used
+
+    # ------------------------------------------------------------------ per-request API
+
+    def match(self, tokens: Tokens) -> MatchResult:
+        """Pure longest-prefix match (see :meth:`RadixTree.match`)."""
+        return self.tree.match(tokens)
+
+    def observe(self, match: MatchResult) -> None:
+        """Record the admitted request's match (clock, recency, depth law, re-plans)."""
+        self.tree.observe(match)
+
+    def capture_plan(self, match: MatchResult, input_len: int, total_len: int | None = None) -> list[int]:
+        """Positions in ``(match.resume_depth, total_len]`` whose recurrent state the engine should
+        capture: ``<= input_len`` during prefill, deeper ones during decode (``total_len`` defaults
+        to ``input_len``)."""
+        total = input_len if total_len is None else total_len
+        return capture_positions(
+            self.spec.admission, self.tree, match, input_len, total, grid=self.grid, block=self.spec.block
+        )
+
+    def insert(
+        self,
+        tokens: Tokens,
+        kv: Any = None,
+        checkpoints: Mapping[int, Any] | None = None,
+        *,
+        kv_offset: int = 0,
+    ) -> InsertResult:
+        """Insert (see :meth:`RadixTree.insert`); the caller frees ``unused_kv`` / ``unused_states``."""
+        return self.tree.insert(tokens, kv, checkpoints, kv_offset=kv_offset)
+
+    def lock(self, node: Node) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: Node) -> None:
+        self.tree.unlock(node)
+
+    def evict(self, num_bytes: int) -> Freed:
+        """Free at least ``num_bytes`` if possible (locked items are never evicted)."""
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
+        return self.evictor.evict(self.tree.bytes_used - num_bytes)
+
+    def evict_to_budget(self) -> Freed:
+        """Evict until ``bytes_used <= budget_bytes`` (or only locked items remain)."""
+        return self.evictor.evict(self.budget_bytes)

@@ -1,0 +1,98 @@
+"""Named cache policies, all built from one registry (simulator and SGLang adapter share it).
+
+=============  =====================================  ==============================================
+name           admission (what is captured)           eviction
+=============  =====================================  ==============================================
+lru            Marconi: branch point + last token     LRU over leaves / single-child node states
+               (SGLang+ in the Marconi paper)
+block32        a state every 32 tokens (vLLM+; off    LRU over leaves
+               the 64 grid on purpose)
+marconi        Marconi                                recency + alpha * FLOPs/byte, alpha tuned
+sglang_native  Marconi (chunk-aligned branch + last)  per-component LRU: leaves by KV recency,
+                                                      every state by its own recency (SGLang 0.5.23)
+sparse_dp      DP plan + last token                   LRU (leaves, node states, interior checkpoints
+                                                      by their own recency)
+sparse         DP plan + Marconi                      as marconi (recency + alpha * FLOPs/byte,
+                                                      alpha tuned)
+sparse_law     DP plan + Marconi                      recency + alpha * law-weighted FLOPs/byte,
+                                                      thins interior checkpoints (experimental)
+oracle         as sparse, per-edge law = the whole    as sparse (simulator only: needs a law
+               trace's true overlap depths            provider)
+=============  =====================================  ==============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .eviction import EvictionConfig
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A named policy: admission kind (see :mod:`.admission`), eviction config, whether alpha is tuned."""
+
+    name: str
+    admission: str
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    flop_aware: bool = False
+    block: int = 32
+    needs_law_provider: bool = False
+    description: str = ""
+
+
+_MARCONI_EVICT = EvictionConfig(node_states=True, ckpt_scope="none", ckpt_recency="node", value="marconi")
+# Measured on doc_qa/agent: the law-weighted value ("law") and interior-checkpoint thinning lost to
+# Marconi's per-hit value (new last-token states have no observations yet), so the product default
+# keeps Marconi's FLOP-aware eviction and adds the DP plan on the admission side.
+_SPARSE_EVICT = EvictionConfig(node_states=True, ckpt_scope="none", ckpt_recency="node", value="marconi")
+SPARSE_LAW_EVICT = EvictionConfig(node_states=True, ckpt_scope="interior", ckpt_recency="own", value="law")
+
+POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (
+        PolicySpec("lru", "marconi", _MARCONI_EVICT, description="SGLang+: Marconi admission, LRU"),
+        PolicySpec(
+            "block32",
+            "block",
+            EvictionConfig(node_states=False, ckpt_scope="none"),
+            block=32,
+            description="vLLM+: state every 32 tokens, LRU",
+        ),
+        PolicySpec("marconi", "marconi", _MARCONI_EVICT, flop_aware=True, description="Marconi"),
+        PolicySpec(
+            "sglang_native",
+            "marconi",
+            EvictionConfig(node_states=False, ckpt_scope="all", ckpt_recency="own"),
+            description="SGLang 0.5.23 MambaComponent: per-component LRU",
+        ),
+        PolicySpec(
+            "sparse_dp",
+            "dp",
+            EvictionConfig(node_states=True, ckpt_scope="interior", ckpt_recency="own"),
+            description="DP placement, LRU",
+        ),
+        PolicySpec("sparse", "dp_marconi", _SPARSE_EVICT, flop_aware=True, description="product default"),
+        PolicySpec("sparse_law", "dp_marconi", SPARSE_LAW_EVICT, flop_aware=True, description="experimental"),
+        PolicySpec(
+            "oracle",
+            "dp_marconi",
+            _SPARSE_EVICT,
+            flop_aware=True,
+            needs_law_provider=True,
+            description="sparse with the whole-trace law (simulator only)",
+        ),
+    )
+}
+
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+
+
+def get_policy(name: str | PolicySpec) -> PolicySpec:
+    """The spec named ``name``; ``ValueError`` listing the valid names otherwise."""
+    if isinstance(name, PolicySpec):
+        return name
+    try:
+        return POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}") from None

@@ -1,0 +1,59 @@
+"""Alpha tuner for FLOP-aware eviction (Marconi sec. 4.2).
+
+The tuner replays a bootstrap window of recent requests once per alpha of a grid, in parallel with
+a :class:`concurrent.futures.ProcessPoolExecutor`, and keeps the alpha with the best score
+(FLOPs saved by default; ties go to the earlier grid entry). Results are collected in grid order
+(``Executor.map``), so the choice never depends on process completion order. It asks to re-tune when
+the hit rate of the current window drifts from the one measured right after the last tuning.
+
+The replay itself is supplied by the caller as a picklable ``evaluate(alpha) -> score`` (the
+simulator provides one; an engine adapter can pass the same function over its logged requests), so
+the policy layer does not depend on the simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+
+DEFAULT_ALPHA_GRID: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+class AlphaTuner:
+    """Chooses alpha by replay; tracks windowed hit-rate drift. Deterministic."""
+
+    def __init__(
+        self,
+        grid: Sequence[float] = DEFAULT_ALPHA_GRID,
+        *,
+        window: int = 200,
+        drift: float = 0.05,
+        workers: int = 2,
+    ) -> None:
+        if not grid or any(a < 0 for a in grid):
+            raise ValueError(f"alpha grid must be non-empty and >= 0, got {grid!r}")
+        if window < 1 or workers < 1 or drift <= 0:
+            raise ValueError("window and workers must be >= 1 and drift > 0")
+        self.grid = tuple(float(a) for a in grid)
+        self.window, self.drift, self.workers = int(window), float(drift), int(workers)
+        self.reference_hit_rate: float | None = None
+        self.history: list[tuple[int, float, tuple[float, ...]]] = []
+
+    def tune(self, evaluate: Callable[[float], float], at_request: int = 0) -> float:
+        """Score every alpha of the grid with ``evaluate`` and return the best (first on ties)."""
+        if self.workers == 1 or len(self.grid) == 1:
+            scores = [evaluate(a) for a in self.grid]
+        else:
+            with ProcessPoolExecutor(max_workers=min(self.workers, len(self.grid))) as pool:
+                scores = list(pool.map(evaluate, self.grid))
+        best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+        self.history.append((at_request, self.grid[best], tuple(scores)))
+        self.reference_hit_rate = None
+        return self.grid[best]
+
+    def should_retune(self, window_hit_rate: float) -> bool:
+        """True when ``window_hit_rate`` moved more than ``drift`` from the first window after tuning."""
+        if self.reference_hit_rate is None:
+            self.reference_hit_rate = window_hit_rate
+            return False
+        return abs(window_hit_rate - self.reference_hit_rate) > self.drift

@@ -1,0 +1,22 @@
+"""Trace replay of the cache policies (same code path as the SGLang adapter)."""
+
+from .models import MODEL_CONFIGS, QWEN3_NEXT_80B_A3B, cost_model
+from .oracle import OracleLaw
+from .simulator import RequestRecord, SimResult, replay_score, simulate
+from .synthetic import SHAPES, synthetic_trace
+from .trace import SimRequest, load_trace
+
+__all__ = [
+    "MODEL_CONFIGS",
+    "QWEN3_NEXT_80B_A3B",
+    "SHAPES",
+    "OracleLaw",
+    "RequestRecord",
+    "SimRequest",
+    "SimResult",
+    "cost_model",
+    "load_trace",
+    "replay_score",
+    "simulate",
+    "synthetic_trace",
+]

@@ -1,0 +1,206 @@
+"""Trace replay through a :class:`HybridCache` of a given byte size (the same policy code as serving).
+
+Per request (input ``I``, output ``O``), definitions in tokens / FLOPs:
+
+* ``kv_depth``: KV-matched prefix of ``I``; ``resume_depth``: deepest checkpoint ``<= kv_depth``.
+* **token hit** = ``resume_depth`` (only a prefix ending at a recurrent checkpoint is usable).
+* **recomputed recurrent tokens** = ``kv_depth - resume_depth`` (KV cached but not resumable:
+  re-prefilled because the recurrent state is missing).
+* **FLOPs saved** = ``cost.flops_saved(len(I), resume_depth)`` (= ``prefill_flops(resume_depth)``);
+  the baseline is ``prefill_flops(len(I))``.
+* Then: observe the match, take the policy's capture plan, insert ``I + O`` with a state handle at
+  every planned position, evict to the byte budget. The cached sequence is ``I + O`` (the state
+  after the last decoded token is the ``len(I + O)`` checkpoint).
+
+FLOP-aware policies start with ``alpha = 0`` for a bootstrap window of ``bootstrap`` requests, then
+tune alpha by replaying that window over the alpha grid (:class:`AlphaTuner`, process pool, grid
+order) and re-tune when the windowed hit rate drifts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from sglang_sparse.policy import AlphaTuner, HybridCache, ModelCostModel, PolicySpec, get_policy
+from sglang_sparse.tree import as_tokens
+
+from .oracle import OracleLaw
+from .trace import SimRequest
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """Per-request outcome (tokens, FLOPs, bytes after eviction)."""
+
+    index: int
+    input_len: int
+    kv_depth: int
+    resume_depth: int
+    recomputed: int
+    captured: int
+    flops_saved: float
+    flops_total: float
+    bytes_used: int
+
+
+@dataclass
+class SimResult:
+    """Aggregates of one replay; ``records`` holds the per-request details."""
+
+    policy: str
+    cache_bytes: int
+    requests: int = 0
+    input_tokens: int = 0
+    hit_tokens: int = 0
+    kv_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    flops_saved: float = 0.0
+    flops_total: float = 0.0
+    max_bytes_used: int = 0
+    alphas: list[tuple[int, float]] = field(default_factory=list)
+    records: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def flops_saved_frac(self) -> float:
+        return self.flops_saved / self.flops_total if self.flops_total else 0.0
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "records"}
+        d["token_hit_rate"] = self.token_hit_rate
+        d["flops_saved_frac"] = self.flops_saved_frac
+        return d
+
+
+def _prepare(requests: Sequence[SimRequest]) -> list[tuple[np.ndarray, np.ndarray]]:
+    out = []
+    for r in requests:
+        inp = as_tokens(r.input_tokens)
+        out.append((inp, np.concatenate([inp, as_tokens(r.output_tokens)])))
+    return out
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    policy: str | PolicySpec,
+    cache_bytes: int,
+    cost: ModelCostModel,
+    *,
+    alpha: float | None = None,
+    bootstrap: int | None = None,
+    tuner: AlphaTuner | None = None,
+    oracle: OracleLaw | None = None,
+    keep_records: bool = True,
+    progress: bool = False,
+    check: bool = False,
+    **cache_kwargs,
+) -> SimResult:
+    """Replay ``requests`` through a ``policy`` cache of ``cache_bytes`` bytes for model ``cost``.
+
+    ``alpha`` fixes the FLOP-aware weight (no tuning); otherwise FLOP-aware policies bootstrap with
+    LRU for ``bootstrap`` requests (default ``min(200, n // 5)``) and tune. ``oracle`` must be given
+    for the ``oracle`` policy (built automatically when omitted). ``check`` asserts tree invariants.
+    """
+    spec = get_policy(policy)
+    if spec.needs_law_provider and oracle is None:
+        oracle = OracleLaw(requests)
+    prepared = _prepare(requests)
+    n = len(prepared)
+    cache = HybridCache(
+        spec,
+        budget_bytes=cache_bytes,
+        cost=cost,
+        law_provider=oracle if spec.needs_law_provider else None,
+        **cache_kwargs,
+    )
+    res = SimResult(spec.name, int(cache_bytes))
+    tuning = spec.flop_aware and alpha is None
+    if spec.flop_aware and alpha is not None:
+        cache.alpha = alpha
+    window = bootstrap if bootstrap is not None else max(1, min(200, n // 5))
+    if tuning:
+        tuner = tuner or AlphaTuner(window=window)
+    hits: list[float] = []
+    since_tune = 0
+    it = range(n)
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc=f"{spec.name}@{cache_bytes / 2**30:.1f}GiB", leave=False)
+    state_id = 0
+    for i in it:
+        inp, full = prepared[i]
+        m = cache.match(inp)
+        c, kv = m.resume_depth, m.kv_depth
+        saved = cost.flops_saved(len(inp), c)
+        total = cost.prefill_flops(len(inp))
+        cache.observe(m)
+        plan = cache.capture_plan(m, len(inp), len(full))
+        ckpts = {}
+        for p in plan:
+            state_id += 1
+            ckpts[p] = state_id
+        cache.lock(m.node)
+        cache.insert(full, None, ckpts)
+        cache.unlock(m.node)
+        cache.evict_to_budget()
+        if check:
+            cache.tree.check()
+        res.requests += 1
+        res.input_tokens += len(inp)
+        res.hit_tokens += c
+        res.kv_hit_tokens += kv
+        res.recomputed_tokens += kv - c
+        res.flops_saved += saved
+        res.flops_total += total
+        res.max_bytes_used = max(res.max_bytes_used, cache.bytes_used)
+        if keep_records:
+            res.records.append(
+                RequestRecord(i, len(inp), kv, c, kv - c, len(plan), saved, total, cache.bytes_used)
+            )
+        hits.append(c / max(len(inp), 1))
+        since_tune += 1
+        if tuning and since_tune >= window and i + 1 < n:
+            hr = float(np.mean(hits[-window:]))
+            first = not res.alphas
+            if first or tuner.should_retune(hr):
+                lo = max(0, i + 1 - window)
+                evaluate = functools.partial(
+                    replay_score, list(requests[lo : i + 1]), spec, int(cache_bytes), cost, cache_kwargs
+                )
+                if spec.needs_law_provider:
+                    tuner_local = AlphaTuner(tuner.grid, window=tuner.window, drift=tuner.drift, workers=1)
+                    a = tuner_local.tune(functools.partial(_oracle_score, evaluate, oracle), at_request=i + 1)
+                else:
+                    a = tuner.tune(evaluate, at_request=i + 1)
+                cache.alpha = a
+                res.alphas.append((i + 1, a))
+                since_tune = 0
+    return res
+
+
+def replay_score(
+    requests: list[SimRequest],
+    policy: str | PolicySpec,
+    cache_bytes: int,
+    cost: ModelCostModel,
+    cache_kwargs: dict,
+    alpha: float,
+    oracle: OracleLaw | None = None,
+) -> float:
+    """FLOPs saved when replaying ``requests`` from an empty cache with a fixed ``alpha`` (tuner target)."""
+    r = simulate(
+        requests, policy, cache_bytes, cost, alpha=alpha, oracle=oracle, keep_records=False, **cache_kwargs
+    )
+    return r.flops_saved
+
+
+def _oracle_score(evaluate: functools.partial, oracle: OracleLaw, alpha: float) -> float:
+    return evaluate(alpha, oracle=oracle)

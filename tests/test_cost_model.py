@@ -1,0 +1,482 @@
+"""Tests for sglang_sparse.policy.cost_model: hand computations, monotonicity, additivity, bad configs."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_sparse.policy import ModelCostModel
+from sglang_sparse.policy.cost_model import SUPPORTED_MODEL_TYPES
+
+# --------------------------------------------------------------------------------------------------
+# Public-config-shaped dicts (trimmed to the keys the cost model reads plus a few neighbours).
+# --------------------------------------------------------------------------------------------------
+
+# Qwen/Qwen3-Next-80B-A3B-Instruct config.json (values from the public file, from memory).
+QWEN3_NEXT_80B_A3B = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "full_attention_interval": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "intermediate_size": 5120,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+# Qwen/Qwen3.5-0.8B config.json (multimodal wrapper, text config nested). UNSURE: written from memory
+# of the public file; hidden 1024 / 24 layers / GDN 16x128 heads / attention 8q-2kv x 256 /
+# intermediate 3584 are my best recollection. The tests below recompute every number from this dict,
+# so they check the formulas, not these exact values.
+QWEN3_5_0_8B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "tie_word_embeddings": True,
+    "text_config": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        "full_attention_interval": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "attn_output_gate": True,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "intermediate_size": 3584,
+        "vocab_size": 248320,
+        "mamba_ssm_dtype": "float32",
+        "dtype": "bfloat16",
+    },
+    "vision_config": {"model_type": "qwen3_5"},
+}
+
+# nvidia/Nemotron-H-8B-Base-8K config.json (public values).
+NEMOTRON_H_8B = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "hidden_size": 4096,
+    "num_hidden_layers": 52,
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "attention_head_dim": 128,
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "ssm_state_size": 128,
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "expand": 2,
+    "chunk_size": 128,
+    "intermediate_size": 21504,
+    "mlp_hidden_act": "relu2",
+    "vocab_size": 131072,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="module")
+def qnext() -> ModelCostModel:
+    return ModelCostModel.from_hf_config(QWEN3_NEXT_80B_A3B)
+
+
+@pytest.fixture(scope="module")
+def q35() -> ModelCostModel:
+    return ModelCostModel.from_hf_config(QWEN3_5_0_8B)
+
+
+@pytest.fixture(scope="module")
+def nemh() -> ModelCostModel:
+    return ModelCostModel.from_hf_config(NEMOTRON_H_8B)
+
+
+ALL = ("qnext", "q35", "nemh")
+
+
+def ctx_sum(n: int, past: int) -> int:
+    """sum over the n new tokens of their causal context length (past + i + 1), by brute force."""
+    return sum(past + i + 1 for i in range(n))
+
+
+# --------------------------------------------------------------------------------------------------
+# Hand computations: Qwen3-Next-80B-A3B
+# --------------------------------------------------------------------------------------------------
+
+
+def qnext_hand_flops(n: int, past: int) -> dict[str, int]:
+    h = 2048
+    # layers: 48, every 4th full attention -> 12 attention, 36 GatedDeltaNet; MoE on all 48.
+    # attention: q_proj 2048 -> 16*256*2 (query + output gate), k/v 2048 -> 2*256 each, o 4096 -> 2048
+    attn_params = h * (16 * 256 * 2) + h * (2 * 256) * 2 + (16 * 256) * h
+    assert attn_params == 16_777_216 + 2_097_152 + 8_388_608
+    attn = 12 * (2 * attn_params * n + 4 * 16 * 256 * ctx_sum(n, past))
+    # GDN: key_dim 16*128=2048, value_dim 32*128=4096; in_proj_qkvz -> 2*2048+2*4096, in_proj_ba -> 64
+    gdn_params = h * (2 * 2048 + 2 * 4096 + 2 * 32) + 4096 * h
+    conv_dim = 2 * 2048 + 4096  # 8192
+    gdn_other = 2 * conv_dim * 4 + 7 * 32 * 128 * 128
+    rec = 36 * n * (2 * gdn_params + gdn_other)
+    # MoE: router 2048*512, 10 experts x SwiGLU(2048, 512), shared SwiGLU(2048, 512), shared gate 2048x1
+    moe_params = h * 512 + 10 * 3 * h * 512 + 3 * h * 512 + h
+    mlp = 48 * n * 2 * moe_params
+    return {"attention": attn, "recurrent": rec, "mlp": mlp}
+
+
+def test_qwen3_next_structure_and_bytes(qnext: ModelCostModel) -> None:
+    assert qnext.num_layers == 48
+    assert qnext.num_attention_layers == 12
+    assert qnext.num_recurrent_layers == 36
+    assert qnext.layer_kinds[3] == "attention" and qnext.layer_kinds[0] == "recurrent"
+    # KV: 2 (K,V) * 2 kv heads * 256 head_dim * 2 B (bf16) * 12 layers
+    assert qnext.kv_bytes_per_token == 2 * 2 * 256 * 2 * 12 == 24_576
+    # state per GDN layer: SSM 32*128*128 fp32 + conv (2*2048 + 4096) * (4-1) bf16
+    ssm = 32 * 128 * 128 * 4
+    conv = 8192 * 3 * 2
+    assert (ssm, conv) == (2_097_152, 49_152)
+    assert qnext.ssm_state_bytes == 36 * ssm
+    assert qnext.conv_state_bytes == 36 * conv
+    assert qnext.state_bytes == 36 * (ssm + conv) == 77_266_944
+
+
+@pytest.mark.parametrize("n,past", [(1, 0), (7, 0), (1000, 0), (1024, 3000), (32768, 0), (5, 123_456)])
+def test_qwen3_next_flops_by_hand(qnext: ModelCostModel, n: int, past: int) -> None:
+    hand = qnext_hand_flops(n, past)
+    got = qnext.prefill_flops_by_kind(n, past)
+    assert got == {k: float(v) for k, v in hand.items()}
+    assert qnext.prefill_flops(n, past) == float(sum(hand.values()))
+
+
+def test_qwen3_next_active_params_about_3b(qnext: ModelCostModel) -> None:
+    # Sanity: FLOPs per token / 2 ~ active non-embedding params. "A3B": MoE 48 x 35.7M = 1.71B,
+    # GDN 36 x 33.6M = 1.21B, attention 12 x 27.3M = 0.33B (+ small conv/core terms) ~ 3.3B.
+    per_token = qnext.prefill_flops(1, 0)
+    assert 3.0e9 < per_token / 2 < 3.6e9
+
+
+# --------------------------------------------------------------------------------------------------
+# Hand computations: Qwen3.5-0.8B (dense MLP, nested text_config)
+# --------------------------------------------------------------------------------------------------
+
+
+def q35_hand_flops(n: int, past: int) -> dict[str, int]:
+    h = 1024
+    # 24 layers: 6 attention, 18 GDN; dense SwiGLU MLP (3584) on all 24.
+    attn_params = h * (8 * 256 * 2) + h * (2 * 256) * 2 + (8 * 256) * h
+    attn = 6 * (2 * attn_params * n + 4 * 8 * 256 * ctx_sum(n, past))
+    key_dim, value_dim = 16 * 128, 16 * 128
+    gdn_params = h * (2 * key_dim + 2 * value_dim + 2 * 16) + value_dim * h
+    gdn_other = 2 * (2 * key_dim + value_dim) * 4 + 7 * 16 * 128 * 128
+    rec = 18 * n * (2 * gdn_params + gdn_other)
+    mlp = 24 * n * 2 * (3 * h * 3584)
+    return {"attention": attn, "recurrent": rec, "mlp": mlp}
+
+
+def test_qwen3_5_structure_and_bytes(q35: ModelCostModel) -> None:
+    assert q35.model_type == "qwen3_5_text"
+    assert (q35.num_attention_layers, q35.num_recurrent_layers) == (6, 18)
+    assert q35.kv_bytes_per_token == 2 * 2 * 256 * 2 * 6 == 12_288
+    ssm = 16 * 128 * 128 * 4  # mamba_ssm_dtype float32
+    conv = (2 * 2048 + 2048) * 3 * 2
+    assert q35.state_bytes == 18 * (ssm + conv) == 18 * (1_048_576 + 36_864)
+    assert all(not m.is_moe for m in q35.mlps)
+
+
+@pytest.mark.parametrize("n,past", [(1, 0), (1000, 0), (1024, 3000), (32768, 0), (3, 77)])
+def test_qwen3_5_flops_by_hand(q35: ModelCostModel, n: int, past: int) -> None:
+    hand = q35_hand_flops(n, past)
+    assert q35.prefill_flops_by_kind(n, past) == {k: float(v) for k, v in hand.items()}
+    assert q35.prefill_flops(n, past) == float(sum(hand.values()))
+
+
+def test_qwen3_5_flat_text_config_and_interval_match_nested(q35: ModelCostModel) -> None:
+    flat = dict(QWEN3_5_0_8B["text_config"])
+    assert ModelCostModel.from_hf_config(flat) == q35
+    no_types = {k: v for k, v in flat.items() if k != "layer_types"}  # falls back to the interval
+    assert ModelCostModel.from_hf_config(no_types) == q35
+
+
+# --------------------------------------------------------------------------------------------------
+# Hand computations: Nemotron-H-8B
+# --------------------------------------------------------------------------------------------------
+
+
+def nemh_hand_flops(n: int, past: int) -> dict[str, int]:
+    h = 4096
+    # pattern: 24 M (Mamba2), 4 * (attention), 24 - (relu2 MLP); each layer is ONE block.
+    attn_params = h * (32 * 128) + h * (8 * 128) * 2 + (32 * 128) * h  # no output gate
+    attn = 4 * (2 * attn_params * n + 4 * 32 * 128 * ctx_sum(n, past))
+    inner = 128 * 64  # 8192 == expand * hidden
+    mamba_params = h * (2 * inner + 2 * 8 * 128 + 128) + inner * h
+    conv_dim = inner + 2 * 8 * 128  # 10240
+    mamba_other = 2 * conv_dim * 4 + 5 * 128 * 64 * 128
+    rec = 24 * n * (2 * mamba_params + mamba_other)
+    mlp = 24 * n * 2 * (2 * h * 21504)  # up + down, not gated
+    return {"attention": attn, "recurrent": rec, "mlp": mlp}
+
+
+def test_nemotron_h_structure_and_bytes(nemh: ModelCostModel) -> None:
+    assert (nemh.num_attention_layers, nemh.num_recurrent_layers) == (4, 24)
+    assert nemh.layer_kinds.count("mlp") == 24
+    assert nemh.kv_bytes_per_token == 2 * 8 * 128 * 2 * 4 == 16_384
+    ssm = 128 * 64 * 128 * 4  # SGLang default fp32 SSM state
+    conv = (8192 + 2 * 8 * 128) * 3 * 2
+    assert nemh.state_bytes == 24 * (ssm + conv) == 102_137_856
+
+
+@pytest.mark.parametrize("n,past", [(1, 0), (1000, 0), (1024, 3000), (32768, 0), (9, 8000)])
+def test_nemotron_h_flops_by_hand(nemh: ModelCostModel, n: int, past: int) -> None:
+    hand = nemh_hand_flops(n, past)
+    assert nemh.prefill_flops_by_kind(n, past) == {k: float(v) for k, v in hand.items()}
+    assert nemh.prefill_flops(n, past) == float(sum(hand.values()))
+
+
+def test_nemotron_h_params_about_8b(nemh: ModelCostModel) -> None:
+    per_token = nemh.prefill_flops(1, 0) - nemh.prefill_flops_by_kind(1, 0)["attention"]
+    # recurrent + MLP params (~7.5B) excluding embeddings, plus small core/conv terms
+    assert 6e9 < per_token / 2 < 9e9
+
+
+def test_nemotron_h_moe_layers() -> None:
+    cfg = dict(NEMOTRON_H_8B)
+    cfg.update(
+        hybrid_override_pattern="ME*E",
+        num_hidden_layers=4,
+        n_routed_experts=128,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712,
+    )
+    m = ModelCostModel.from_hf_config(cfg)
+    h = 4096
+    moe_params = h * 128 + 6 * 2 * h * 1856 + 2 * h * 3712
+    assert m.prefill_flops_by_kind(10)["mlp"] == 2 * 2 * moe_params * 10
+
+
+# --------------------------------------------------------------------------------------------------
+# dtype overrides
+# --------------------------------------------------------------------------------------------------
+
+
+def test_dtype_overrides() -> None:
+    m = ModelCostModel.from_hf_config(QWEN3_NEXT_80B_A3B, state_dtype_bytes=2, kv_dtype_bytes=1)
+    assert m.kv_bytes_per_token == 2 * 2 * 256 * 1 * 12
+    assert m.state_bytes == 36 * (32 * 128 * 128 * 2 + 8192 * 3 * 2)
+    cfg = dict(QWEN3_NEXT_80B_A3B, mamba_ssm_dtype="bfloat16")
+    assert ModelCostModel.from_hf_config(cfg).ssm_state_bytes == 36 * 32 * 128 * 128 * 2
+    with pytest.raises(ValueError, match="kv_dtype_bytes"):
+        ModelCostModel.from_hf_config(QWEN3_NEXT_80B_A3B, kv_dtype_bytes=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Properties: monotonicity, additivity, resume / saved semantics
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_monotone_in_n_and_past(name: str, request: pytest.FixtureRequest) -> None:
+    m: ModelCostModel = request.getfixturevalue(name)
+    assert m.prefill_flops(0) == 0.0
+    ns = [0, 1, 2, 10, 100, 1000, 10_000]
+    vals = [m.prefill_flops(n, 0) for n in ns]
+    assert all(a < b for a, b in zip(vals, vals[1:], strict=False))
+    pasts = [0, 1, 100, 10_000, 1_000_000]
+    vals = [m.prefill_flops(16, p) for p in pasts]
+    assert all(a < b for a, b in zip(vals, vals[1:], strict=False))
+    # only attention depends on the context
+    by0, by1 = m.prefill_flops_by_kind(16, 0), m.prefill_flops_by_kind(16, 10_000)
+    assert by0["recurrent"] == by1["recurrent"] and by0["mlp"] == by1["mlp"]
+    assert by1["attention"] > by0["attention"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.sampled_from(ALL),
+    a=st.integers(0, 200_000),
+    b=st.integers(0, 200_000),
+    past=st.integers(0, 200_000),
+)
+def test_additivity(name: str, a: int, b: int, past: int) -> None:
+    cfg = {"qnext": QWEN3_NEXT_80B_A3B, "q35": QWEN3_5_0_8B, "nemh": NEMOTRON_H_8B}[name]
+    m = ModelCostModel.from_hf_config(cfg)
+    lhs = m.prefill_flops(a, past) + m.prefill_flops(b, past_tokens=past + a)
+    assert math.isclose(lhs, m.prefill_flops(a + b, past), rel_tol=1e-14)
+    # the exact (integer) breakdown is additive with no rounding at moderate sizes
+    if a + b + past < 5000:
+        assert lhs == m.prefill_flops(a + b, past)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_resume_and_saved(name: str, request: pytest.FixtureRequest) -> None:
+    m: ModelCostModel = request.getfixturevalue(name)
+    c, d = 4096, 6000
+    assert m.resume_recompute_flops(c, d) == m.prefill_flops(d - c, past_tokens=c)
+    assert m.resume_recompute_flops(d, d) == 0.0
+    # resuming recomputes at least the context-independent part
+    assert m.resume_recompute_flops(c, d) > m.recurrent_flops(d - c)
+    by = m.prefill_flops_by_kind(d - c)
+    assert m.recurrent_flops(d - c) == by["recurrent"] + by["mlp"]
+    # saved == full prefill - what still has to run after the hit
+    p, r = 10_000, 4096
+    saved = m.flops_saved(p, r)
+    assert saved == m.prefill_flops(r)
+    assert math.isclose(saved, m.prefill_flops(p) - m.prefill_flops(p - r, past_tokens=r), rel_tol=1e-12)
+    assert m.flops_saved(p, 0) == 0.0
+    with pytest.raises(ValueError, match="resume_depth"):
+        m.flops_saved(10, 11)
+    with pytest.raises(ValueError, match="checkpoint_depth"):
+        m.resume_recompute_flops(11, 10)
+
+
+def test_flops_saved_per_byte_uses_node_tokens_not_path(qnext: ModelCostModel) -> None:
+    parent, node = 30_000, 30_512
+    score = qnext.flops_saved_per_byte(node, parent)
+    saved = qnext.prefill_flops(512, past_tokens=30_000)
+    nbytes = 512 * 24_576 + 77_266_944  # own KV + one checkpoint (NOT 30_512 tokens of KV)
+    assert qnext.node_bytes(512) == nbytes
+    assert score == saved / nbytes
+    # a deeper fallback checkpoint (sparse tree) -> more FLOPs saved by keeping the node
+    deeper = qnext.flops_saved_per_byte(node, parent, fallback_depth=20_000)
+    assert deeper > score
+    assert deeper == qnext.prefill_flops(10_512, past_tokens=20_000) / nbytes
+    # a node without a checkpoint saves nothing by itself, and costs only its KV
+    assert qnext.flops_saved_per_byte(node, parent, has_checkpoint=False) == 0.0
+    assert qnext.node_bytes(512, has_checkpoint=False) == 512 * 24_576
+    # same-length node deeper in the tree is worth more (attention sees more context)
+    assert qnext.flops_saved_per_byte(1512, 1000) < score
+    with pytest.raises(ValueError, match="parent_depth"):
+        qnext.flops_saved_per_byte(5, 6)
+    with pytest.raises(ValueError, match="fallback_depth"):
+        qnext.flops_saved_per_byte(10, 5, fallback_depth=6)
+
+
+def test_bad_token_counts(qnext: ModelCostModel) -> None:
+    with pytest.raises(ValueError, match="n_tokens"):
+        qnext.prefill_flops(-1)
+    with pytest.raises(ValueError, match="past_tokens"):
+        qnext.prefill_flops(1, past_tokens=-5)
+    with pytest.raises(TypeError, match="n_tokens"):
+        qnext.prefill_flops(1.5)  # type: ignore[arg-type]
+
+
+def test_frozen(qnext: ModelCostModel) -> None:
+    with pytest.raises(AttributeError):
+        qnext.hidden_size = 1  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad configs -> ValueError naming the key / model_type
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+    ],
+)
+def test_qwen_missing_key_named(key: str) -> None:
+    cfg = dict(QWEN3_NEXT_80B_A3B)
+    del cfg[key]
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        ModelCostModel.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "hidden_size",
+        "hybrid_override_pattern",
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "ssm_state_size",
+        "n_groups",
+        "conv_kernel",
+        "intermediate_size",
+        "num_key_value_heads",
+    ],
+)
+def test_nemotron_missing_key_named(key: str) -> None:
+    cfg = dict(NEMOTRON_H_8B)
+    del cfg[key]
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        ModelCostModel.from_hf_config(cfg)
+
+
+def test_nested_missing_key_named() -> None:
+    cfg = copy.deepcopy(QWEN3_5_0_8B)
+    del cfg["text_config"]["intermediate_size"]
+    with pytest.raises(ValueError, match="'intermediate_size'"):
+        ModelCostModel.from_hf_config(cfg)
+
+
+def test_bad_values_named() -> None:
+    with pytest.raises(ValueError, match="'hidden_size'"):
+        ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, hidden_size=0))
+    with pytest.raises(ValueError, match="'head_dim'"):
+        ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, head_dim="256"))
+    cfg = {k: v for k, v in QWEN3_NEXT_80B_A3B.items() if k != "full_attention_interval"}
+    with pytest.raises(ValueError, match="full_attention_interval"):
+        ModelCostModel.from_hf_config(cfg)
+    with pytest.raises(ValueError, match="'layer_types'"):
+        ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, layer_types=["full_attention"] * 3))
+    with pytest.raises(ValueError, match="'layer_types'"):
+        ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, layer_types=["sliding"] * 48))
+    with pytest.raises(ValueError, match="'hybrid_override_pattern'"):
+        ModelCostModel.from_hf_config(dict(NEMOTRON_H_8B, hybrid_override_pattern="M*X"))
+    with pytest.raises(ValueError, match="'hybrid_override_pattern'"):
+        ModelCostModel.from_hf_config(dict(NEMOTRON_H_8B, num_hidden_layers=51))
+    with pytest.raises(ValueError, match="'torch_dtype'"):
+        ModelCostModel.from_hf_config(dict(NEMOTRON_H_8B, torch_dtype="int3"))
+
+
+def test_unsupported_model_type_named() -> None:
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'") as exc:
+        ModelCostModel.from_hf_config({"model_type": "llama", "hidden_size": 4096})
+    for t in SUPPORTED_MODEL_TYPES:
+        assert t in str(exc.value)
+    with pytest.raises(ValueError, match="'model_type'"):
+        ModelCostModel.from_hf_config({"hidden_size": 4096})
+
+
+def test_generic_fallback_by_keys() -> None:
+    # unknown model_type with the GDN keys -> Qwen-style hybrid parser; with a pattern -> Nemotron-H
+    m = ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, model_type="my_gdn_hybrid"))
+    assert m.model_type == "my_gdn_hybrid"
+    ref = ModelCostModel.from_hf_config(QWEN3_NEXT_80B_A3B)
+    assert m.prefill_flops(100, 50) == ref.prefill_flops(100, 50)
+    n = ModelCostModel.from_hf_config(dict(NEMOTRON_H_8B, model_type="my_mamba_hybrid"))
+    assert n.state_bytes == 102_137_856

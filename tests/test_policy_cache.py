@@ -1,0 +1,82 @@
+"""Policies: registry errors, budgets, admission positions, eviction order, alpha tuner determinism."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_sparse.policy import POLICY_NAMES, AlphaTuner, HybridCache, get_policy, marconi_branch_point
+from sglang_sparse.sim import cost_model
+
+COST = cost_model("qwen3-next-80b-a3b")
+
+
+def small(policy: str, budget: int = 1000, **kw) -> HybridCache:
+    return HybridCache(policy, budget_bytes=budget, cost=COST, kv_bytes_per_token=1, state_bytes=10, **kw)
+
+
+def test_registry_and_errors():
+    assert set(POLICY_NAMES) >= {"lru", "block32", "marconi", "sglang_native", "sparse_dp", "sparse"}
+    with pytest.raises(ValueError, match="valid: lru, block32"):
+        get_policy("nope")
+    with pytest.raises(ValueError, match="smaller than one recurrent state"):
+        small("lru", budget=5)
+    with pytest.raises(ValueError, match="law_provider"):
+        small("oracle")
+    with pytest.raises(ValueError, match="not FLOP-aware"):
+        small("lru").alpha = 1.0
+
+
+def test_marconi_admission_branch_point_and_last_token():
+    c = small("lru", grid=4)
+    c.insert(list(range(20)), None, {20: 1})
+    seq = list(range(10)) + [99, 98]
+    m = c.match(seq)
+    assert marconi_branch_point(m, len(seq), 4) == 8
+    assert c.capture_plan(m, len(seq), len(seq) + 3) == [8, 15]
+    ext = list(range(20)) + [7]  # extends a leaf: no branch
+    m = c.match(ext)
+    assert marconi_branch_point(m, len(ext), 4) is None
+    assert c.capture_plan(m, len(ext), 25) == [25]
+
+
+def test_block32_every_32_tokens():
+    c = small("block32")
+    m = c.match(list(range(100)))
+    assert c.capture_plan(m, 100, 130) == [32, 64, 96, 128]
+
+
+def test_lru_evicts_least_recent_leaf_and_respects_locks():
+    c = small("lru", budget=100)
+    a = c.insert([1] * 30, None, {30: "a"})
+    c.insert([2] * 30, None, {30: "b"})
+    c.observe(c.match([2] * 30))
+    c.lock(a.node)
+    c.insert([3] * 30, None, {30: "c"})
+    freed = c.evict_to_budget()
+    assert freed.states == ["b"]  # "a" is older but locked
+    c.unlock(a.node)
+    freed = c.evict(1)
+    assert freed.states == ["a"]
+    c.tree.check()
+
+
+def test_sglang_native_evicts_states_independently_of_kv():
+    c = small("sglang_native", budget=10_000)
+    c.insert([1] * 50, None, {20: "s20", 50: "s50"})
+    c.observe(c.match([1] * 50 + [2]))  # uses s50 -> s20 is the older state
+    freed = c.evict(5)
+    assert freed.states == ["s20"] and c.tree.kv_tokens == 50
+
+
+def _score(alpha: float) -> float:
+    return -((alpha - 0.5) ** 2)
+
+
+def test_alpha_tuner_grid_order_and_drift():
+    t = AlphaTuner((0.0, 0.5, 1.0, 0.5), workers=2, drift=0.1)
+    assert t.tune(_score) == 0.5 and t.history[0][2] == (-0.25, 0.0, -0.25, 0.0)
+    assert not t.should_retune(0.5)
+    assert not t.should_retune(0.55)
+    assert t.should_retune(0.7)
+    with pytest.raises(ValueError):
+        AlphaTuner(())
