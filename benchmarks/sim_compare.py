@@ -2,8 +2,8 @@
 
 Cache sizes are fractions of the trace's infinite-cache KV footprint (unique cached tokens x KV
 bytes per token). Writes ``benchmarks/results/sim_compare.json`` and one PNG per trace (token hit
-rate and FLOPs saved vs cache size per policy) and prints a table. Falls back to small synthetic
-traces when ``traces/build/*.jsonl`` are missing (``python -m sglang_sparse.traces build all``).
+rate and FLOPs saved vs cache size per policy) and prints a table. Needs the built traces
+(``python -m sglang_sparse.traces build all``); ``--synthetic`` uses small generated traces instead.
 
     python benchmarks/sim_compare.py [--quick] [--traces doc_qa system_prompts agent] [--policies ...]
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks._common import REPO
 from sglang_sparse.policy import POLICY_NAMES
 from sglang_sparse.sim import OracleLaw, cost_model, load_trace, simulate, synthetic_trace
 
@@ -24,15 +25,16 @@ FULL_FRACS = (0.05, 0.1, 0.2, 0.3, 0.5)
 QUICK_FRACS = (0.1, 0.3)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two cache sizes only")
-    ap.add_argument("--traces", nargs="+", default=["doc_qa", "system_prompts", "agent"])
+    ap.add_argument("--traces", nargs="+", default=["doc_qa", "system_prompts", "agent", "rag"])
     ap.add_argument("--policies", nargs="+", default=[p for p in POLICY_NAMES if p != "sparse_law"])
     ap.add_argument("--fracs", nargs="+", type=float, default=None)
     ap.add_argument("--model", default="qwen3-next-80b-a3b")
-    ap.add_argument("--out", default="benchmarks/results")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--synthetic", action="store_true", help="small generated traces (no data needed)")
+    args = ap.parse_args(argv)
     fracs = tuple(args.fracs) if args.fracs else (QUICK_FRACS if args.quick else FULL_FRACS)
     cm = cost_model(args.model)
     out = Path(args.out)
@@ -41,8 +43,13 @@ def main() -> None:
     jobs = [(t, f, p) for t in args.traces for f in fracs for p in args.policies]
     bar = tqdm(total=len(jobs), desc="sim_compare")
     for tname in args.traces:
-        path = Path("traces/build") / f"{tname}.jsonl"
-        reqs = load_trace(path) if path.exists() else synthetic_trace(tname, 300, seed=0)
+        path = REPO / "traces" / "build" / f"{tname}.jsonl"
+        if args.synthetic:
+            reqs = synthetic_trace(tname, 300, seed=0)
+        elif path.exists():
+            reqs = load_trace(path)
+        else:
+            raise SystemExit(f"error: {path} not found; run `python -m sglang_sparse.traces build {tname}`")
         oracle = OracleLaw(reqs)
         footprint = oracle.inf.kv_tokens * cm.kv_bytes_per_token
         rows = []
@@ -55,15 +62,71 @@ def main() -> None:
                 s.update(
                     frac=frac,
                     seconds=time.perf_counter() - t0,
-                    source=str(path) if path.exists() else "synthetic",
+                    source="synthetic" if args.synthetic else str(path),
                 )
                 rows.append(s)
                 bar.update(1)
         results["traces"][tname] = {"footprint_bytes": footprint, "requests": len(reqs), "rows": rows}
         _plot(tname, rows, args.policies, out)
     bar.close()
+    results["acceptance"] = _acceptance(results)
     (out / "sim_compare.json").write_text(json.dumps(results, indent=1))
     _table(results, args.policies)
+    _print_acceptance(results["acceptance"])
+    return 0
+
+
+def _acceptance(results: dict) -> dict:
+    """sparse vs the better of marconi and lru at every size; sparse vs oracle (recomputed tokens)."""
+    out = {}
+    for tname, tr in results["traces"].items():
+        by = {(r["frac"], r["policy"]): r for r in tr["rows"]}
+        rows = []
+        for frac in results["fracs"]:
+            if not all((frac, p) in by for p in ("sparse", "marconi", "lru")):
+                continue
+            sp, mc, lr = by[(frac, "sparse")], by[(frac, "marconi")], by[(frac, "lru")]
+            best_hit = max(mc["token_hit_rate"], lr["token_hit_rate"])
+            best_flops = max(mc["flops_saved_frac"], lr["flops_saved_frac"])
+            row = {
+                "frac": frac,
+                "sparse_hit": sp["token_hit_rate"],
+                "best_baseline_hit": best_hit,
+                "hit_gain": sp["token_hit_rate"] / best_hit - 1 if best_hit else None,
+                "sparse_flops": sp["flops_saved_frac"],
+                "best_baseline_flops": best_flops,
+                "flops_gain": sp["flops_saved_frac"] / best_flops - 1 if best_flops else None,
+                "sparse_ge_baselines": sp["token_hit_rate"] >= best_hit
+                and sp["flops_saved_frac"] >= best_flops,
+            }
+            if (frac, "oracle") in by:
+                orc = by[(frac, "oracle")]
+                row["recomputed_sparse"] = sp["recomputed_tokens"]
+                row["recomputed_oracle"] = orc["recomputed_tokens"]
+                row["recomputed_vs_oracle"] = (
+                    sp["recomputed_tokens"] / orc["recomputed_tokens"] - 1
+                    if orc["recomputed_tokens"]
+                    else None
+                )
+            rows.append(row)
+        out[tname] = rows
+    return out
+
+
+def _print_acceptance(acc: dict) -> None:
+    print("\n== sparse vs the better of marconi/lru (token hit rate, FLOPs saved) and vs the oracle")
+    for tname, rows in acc.items():
+        for r in rows:
+            g = "" if r["hit_gain"] is None else f"{r['hit_gain']:+.0%}"
+            fg = "" if r["flops_gain"] is None else f"{r['flops_gain']:+.0%}"
+            o = r.get("recomputed_vs_oracle")
+            o = "" if o is None else f", recomputed vs oracle {o:+.1%}"
+            ok = "ok " if r["sparse_ge_baselines"] else "LOSS"
+            print(
+                f"  {ok} {tname:15} {r['frac']:4}: hit {r['sparse_hit']:.3f} vs "
+                f"{r['best_baseline_hit']:.3f} ({g}), "
+                f"flops {r['sparse_flops']:.3f} vs {r['best_baseline_flops']:.3f} ({fg}){o}"
+            )
 
 
 def _plot(tname: str, rows: list[dict], policies: list[str], out: Path) -> None:
@@ -109,4 +172,4 @@ def _table(results: dict, policies: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -135,3 +135,198 @@ def test_dp_cost_is_convex_in_budget():
         gains = -np.diff(costs)
         assert np.all(gains >= -1e-6 * costs[0]), trial
         assert np.all(np.diff(gains) <= 1e-6 * max(costs[0], 1.0)), (trial, gains)
+
+
+# ---------------------------------------------------------------------- hot paths (issue 4)
+
+
+def _dump(t: RadixTree) -> list:
+    """Canonical structure of a tree (edges, checkpoints, locks), independent of uids."""
+    out = []
+    for n in t.nodes():
+        out.append((n.start, n.key.tolist(), dict(n.checkpoints), n.lock_ref, n.last_access))
+    return sorted(out, key=lambda e: (e[0], e[1]))
+
+
+@pytest.mark.parametrize("where", [0, 1, 15, 16, 17, 100, 16_383, 16_384, 16_385, 32_768, 39_999, None])
+def test_lcp_chunked_matches_naive(where):
+    from sglang_sparse.tree.radix import _LCP_HEAD, _lcp
+
+    rng = np.random.default_rng(0)
+    key = rng.integers(0, 2**31 - 1, size=40_000, dtype=np.int32)
+    toks = np.concatenate([rng.integers(0, 9, size=7, dtype=np.int32), key])
+    if where is not None:
+        toks[7 + where] ^= 1
+    expect = 40_000 if where is None else where
+    assert _lcp(key, toks, 7) == expect
+    assert _lcp(key, toks, 7, 0, _LCP_HEAD) == expect
+    s = 5
+    assert _lcp(key, toks, 7 + s, s) == max(expect - s, 0) if expect >= s else True
+    assert _lcp(key[:10], toks, 7) == min(10, expect)
+    assert _lcp(key, toks[: 7 + 3], 7) == min(3, expect)
+    assert _lcp(key, toks, len(toks)) == 0
+
+
+def test_as_tokens_fast_paths_and_validation():
+    from array import array
+
+    from sglang_sparse.tree import as_tokens
+
+    for src in ([3, 1, 2], (3, 1, 2), array("q", [3, 1, 2]), np.array([3, 1, 2], dtype=np.int64)):
+        a = as_tokens(src)
+        assert a.dtype == np.int32 and a.tolist() == [3, 1, 2]
+    x = np.array([1, 2], dtype=np.int32)
+    assert as_tokens(x) is x
+    assert as_tokens([]).size == 0
+    with pytest.raises(ValueError):
+        as_tokens([2**40, 1])
+    with pytest.raises(ValueError):
+        as_tokens([1.5, 2.0])
+    with pytest.raises(ValueError):
+        as_tokens(np.zeros((2, 2), dtype=np.int32))
+    t = mk()
+    t.insert([5, 6, 7, 8], None)
+    assert t.match([5, 6, 9]).kv_depth == 2 and t.match((5, 6, 7, 8, 1)).kv_depth == 4
+
+
+def test_match_result_fast_constructor_is_a_plain_match_result():
+    import dataclasses
+
+    from sglang_sparse.tree import MatchResult
+
+    t = mk()
+    t.insert([1, 2, 3], None, {2: "s"})
+    m = t.match([1, 2, 9])
+    ref = MatchResult(2, 2, m.node, m.node, "s", (m.node,))
+    assert m == ref and hash(m) == hash(ref) and type(m) is MatchResult
+    assert m.versions == (m.node.version,) and m.tokens.tolist() == [1, 2, 9]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.kv_depth = 3  # type: ignore[misc]
+    assert "tokens" not in repr(m)
+
+
+def test_insert_hint_equals_plain_insert_randomised():
+    """insert(hint=match) gives the same results and tree as a plain insert, for fresh hints, hints
+    of a shorter prompt (insert prompt + output), stale hints (tree changed) and wrong hints."""
+    rng = np.random.default_rng(1)
+    a, b = mk(), mk()
+    old_hints = []
+    for step in range(400):
+        n = int(rng.integers(1, 30))
+        seq = rng.integers(0, 3, size=n).tolist()
+        prompt = seq[: int(rng.integers(1, n + 1))]
+        mode = step % 4
+        if mode == 0:
+            hint = a.match(seq)
+        elif mode == 1:
+            hint = a.match(prompt)  # hint of a prefix; the insert is longer
+        elif mode == 2:
+            hint = old_hints[int(rng.integers(len(old_hints)))] if old_hints else None
+        else:
+            hint = a.match(rng.integers(0, 3, size=n).tolist())  # unrelated tokens
+        old_hints.append(a.match(prompt))
+        ck = {int(p): ("s", step, int(p)) for p in rng.integers(1, n + 1, size=2)}
+        ra = a.insert(seq, np.arange(n), ck, hint=hint)
+        rb = b.insert(seq, np.arange(n), ck)
+        assert ra.prefix_len == rb.prefix_len
+        assert [u.tolist() for u in ra.unused_kv] == [u.tolist() for u in rb.unused_kv]
+        assert ra.unused_states == rb.unused_states
+        if step % 7 == 0:  # evict an LRU leaf in both (makes old hints stale)
+            for t in (a, b):
+                leaf = t.lru_leaf()
+                if leaf is not None:
+                    t.drop_leaf(leaf)
+        if step % 5 == 0:
+            a.check()
+            b.check()
+        assert _dump(a) == _dump(b)
+
+
+def test_hint_from_another_tree_or_mutated_path_is_ignored():
+    a, b = mk(), mk()
+    for t in (a, b):
+        t.insert([1, 2, 3, 4], None)
+    h = b.match([1, 2, 3, 4, 5])
+    r = a.insert([1, 2, 3, 4, 5], None, hint=h)  # foreign hint: full walk
+    assert r.prefix_len == 4
+    a.check()
+    h = a.match([1, 2, 7])
+    a.insert([1, 2, 3, 9], None)  # splits the edge the hint points into
+    r = a.insert([1, 2, 7], None, hint=h)
+    assert r.prefix_len == 2
+    a.check()
+    assert sorted(n.key.tolist() for n in a.nodes()) == [[1, 2], [3], [4], [5], [7], [9]]
+
+
+def test_checkpoint_map_behaves_like_sorted_dict():
+    import pickle
+
+    from sortedcontainers import SortedDict
+
+    from sglang_sparse.tree.node import CheckpointMap
+
+    rng = np.random.default_rng(2)
+    cm, sd = CheckpointMap(), SortedDict()
+    for _ in range(2000):
+        op = int(rng.integers(6))
+        k = int(rng.integers(0, 40))
+        if op <= 1:
+            cm[k] = sd[k] = ("h", k)
+        elif op == 2 and k in sd:
+            del cm[k], sd[k]
+        elif op == 3 and sd:
+            i = int(rng.integers(-len(sd), len(sd)))
+            assert cm.peekitem(i) == sd.peekitem(i)
+            assert cm.popitem(i) == sd.popitem(i)
+        elif op == 4:
+            assert cm.pop(k, None) == sd.pop(k, None)
+        else:
+            assert cm.bisect_left(k) == sd.bisect_left(k) and cm.bisect_right(k) == sd.bisect_right(k)
+        assert list(cm) == list(sd) and cm.keys() == list(sd.keys()) and cm.items() == list(sd.items())
+        assert cm.values() == list(sd.values()) and len(cm) == len(sd) and bool(cm) == bool(sd)
+        assert cm == dict(sd) and dict(cm) == dict(sd)
+    assert list(cm.irange(5, 20)) == list(sd.irange(5, 20))
+    assert list(cm.irange(5, 20, (False, False))) == list(sd.irange(5, 20, inclusive=(False, False)))
+    cp = pickle.loads(pickle.dumps(cm))
+    assert type(cp) is CheckpointMap and cp.items() == cm.items()
+    cm.update({100: 1, -1: 2})
+    cm.setdefault(50, 3)
+    assert cm.keys() == sorted(cm.keys()) and cm.copy().items() == cm.items()
+    cm.clear()
+    assert not cm and cm.keys() == []
+    n = mk().root
+    assert isinstance(n.checkpoints, CheckpointMap)
+
+
+def test_eviction_index_tracks_leaves_locks_and_recency():
+    t = mk()
+    r1 = t.insert([1, 2, 3], None, {3: "a"})
+    r2 = t.insert([1, 2, 4], None, {2: "b"})
+    r3 = t.insert([5, 6], None)
+    t.check()
+    up = t.root.children[1]
+    assert t.evictable_leaves == {r1.node, r2.node, r3.node} and t.evictable_ckpt_nodes == {up}
+    assert list(t.iter_lru_leaves()) == [r1.node, r2.node, r3.node] and t.lru_leaf() is r1.node
+    t.observe(t.match([1, 2, 3]))  # r1 becomes the most recent
+    assert list(t.iter_lru_leaves()) == [r2.node, r3.node, r1.node]
+    t.lock(r2.node)
+    assert r2.node not in t.evictable_leaves and up not in t.evictable_ckpt_nodes
+    assert t.lru_leaf() is r3.node
+    t.check()
+    t.unlock(r2.node)
+    assert t.lru_leaf() is r2.node and up in t.evictable_ckpt_nodes
+    t.drop_leaf(r2.node)
+    t.drop_leaf(r1.node)  # up becomes a leaf (with its checkpoint)
+    t.check()
+    assert up in t.evictable_leaves and up not in t.evictable_ckpt_nodes
+    t.drop_checkpoint(up, 2)
+    t.check()
+    for _ in range(200):  # heap stays compact under churn
+        t.observe(t.match([5, 6]))
+        t.observe(t.match([1, 2]))
+    assert len(t._lru_heap) <= 2 * len(t.evictable_leaves) + 64
+    t.check()
+    while (leaf := t.lru_leaf()) is not None:
+        t.drop_leaf(leaf)
+    assert t.num_nodes == 0 and not t.evictable_leaves and list(t.iter_lru_leaves()) == []
+    t.check()

@@ -65,8 +65,9 @@ class CacheMachine(RuleBasedStateMachine):
         if self.cache.spec.flop_aware:
             self.cache.alpha = alpha
         self.locked: list = []
+        self.old_match = None
 
-    def _insert(self, seq: list[int], ckpt_mask: int, full_kv: bool) -> None:
+    def _insert(self, seq: list[int], ckpt_mask: int, full_kv: bool, hint_mode: str = "none") -> None:
         c = self.cache
         m = c.match(seq)
         c.lock(m.node)
@@ -75,15 +76,25 @@ class CacheMachine(RuleBasedStateMachine):
         plan = c.capture_plan(m, len(seq))
         extra = [p for p in range(1, len(seq) + 1) if (ckpt_mask >> (p % 16)) & 1]
         ck = {p: self.pool.alloc_state() for p in sorted(set(plan) | set(extra))}
-        res = c.insert(seq, kv, ck, kv_offset=off)
+        if hint_mode == "none":
+            res = c.insert(seq, kv, ck, kv_offset=off)
+        else:  # the tree's insert hint: fresh, of a prefix (prompt), or stale/unrelated
+            hint = {"fresh": m, "prefix": c.match(seq[: max(1, len(seq) // 2)]), "stale": self.old_match}
+            res = c.tree.insert(seq, kv, ck, kv_offset=off, hint=hint[hint_mode])
+        self.old_match = m
         assert res.prefix_len == m.kv_depth
         self.pool.free_kv(res.unused_kv)
         self.pool.free_states(res.unused_states)
         c.unlock(m.node)
 
-    @rule(seq=seqs, ckpt_mask=st.integers(0, 2**16 - 1), full_kv=st.booleans())
-    def insert(self, seq, ckpt_mask, full_kv):
-        self._insert(seq, ckpt_mask, full_kv)
+    @rule(
+        seq=seqs,
+        ckpt_mask=st.integers(0, 2**16 - 1),
+        full_kv=st.booleans(),
+        hint_mode=st.sampled_from(["none", "fresh", "prefix", "stale"]),
+    )
+    def insert(self, seq, ckpt_mask, full_kv, hint_mode):
+        self._insert(seq, ckpt_mask, full_kv, hint_mode)
 
     @rule(seq=seqs)
     def match_is_pure(self, seq):

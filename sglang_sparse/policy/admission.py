@@ -12,6 +12,11 @@ output tokens; positions ``<= len(input)`` are captured during prefill, deeper o
 * ``dp``: the DP plans of the edges on the matched path (:meth:`RadixTree.planned_captures`), plus
   the last-token state.
 * ``dp_marconi``: union of ``dp`` and ``marconi``.
+* ``sparse`` (the product): ``dp`` on the matched path + the Marconi branch point + the positions a
+  learned :class:`~sglang_sparse.policy.tail_prior.TailPrior` chooses on the new leaf
+  ``(kv_depth, total_len]`` (which includes the last-token state only when requests do continue
+  leaves at their end). Until the prior has ``warmup`` observations it admits the last token as
+  Marconi does.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from __future__ import annotations
 from sglang_sparse.placement import DEFAULT_GRID
 from sglang_sparse.tree import MatchResult, RadixTree
 
-ADMISSIONS = ("marconi", "block", "dp", "dp_marconi")
+from .tail_prior import TailPrior
+
+ADMISSIONS = ("marconi", "block", "dp", "dp_marconi", "sparse")
 
 
 def marconi_branch_point(match: MatchResult, input_len: int, grid: int = DEFAULT_GRID) -> int | None:
@@ -43,6 +50,9 @@ def capture_positions(
     *,
     grid: int = DEFAULT_GRID,
     block: int = 32,
+    tail: TailPrior | None = None,
+    tail_budget: int = 2,
+    warmup: int = 5,
 ) -> list[int]:
     """Sorted positions in ``(match.resume_depth, total_len]`` to capture for this request."""
     if kind not in ADMISSIONS:
@@ -53,6 +63,17 @@ def capture_positions(
     pos: set[int] = set()
     if kind == "block":
         pos.update(range((lo // block + 1) * block, total_len + 1, block))
+    elif kind == "sparse":
+        if tail is None:
+            raise ValueError("the sparse admission needs a TailPrior")
+        b = marconi_branch_point(match, input_len, grid)
+        if b is not None:
+            pos.add(b)
+        pos.update(tree.planned_captures(match))
+        if tail.observations < warmup:
+            pos.add(total_len)
+        else:
+            pos.update(tail.positions(match.kv_depth, total_len, tail_budget))
     else:
         if total_len > 0:
             pos.add(total_len)

@@ -29,6 +29,8 @@ from .admission import capture_positions
 from .cost_model import ModelCostModel
 from .eviction import Evictor
 from .registry import PolicySpec, get_policy
+from .tail_prior import TailPrior
+from .tuner import Setting, setting_alpha
 
 
 class HybridCache:
@@ -79,6 +81,7 @@ class HybridCache:
             law_provider=law_provider,
         )
         self.grid = grid
+        self.tail = TailPrior(gamma, grid=grid)
         self.evictor = Evictor(self.tree, self.spec.eviction, cost, alpha if self.spec.flop_aware else 0.0)
 
     # ------------------------------------------------------------------ knobs
@@ -95,6 +98,14 @@ class HybridCache:
             raise ValueError(f"alpha must be >= 0, got {value}")
         self.evictor.alpha = float(value)
 
+    def apply(self, setting: Setting) -> None:
+        """Apply a tuner setting (an alpha; ``(alpha, _)`` tuples are accepted for forward compatibility)."""
+        self.alpha = setting_alpha(setting)
+
+    def tuning_grid(self, alphas: tuple[float, ...]) -> list[Setting]:
+        """The settings the replay tuner should try for this policy (every alpha of ``alphas``)."""
+        return list(alphas)
+
     @property
     def bytes_used(self) -> int:
         return self.tree.bytes_used
@@ -106,7 +117,11 @@ class HybridCache:
         return self.tree.match(tokens)
 
     def observe(self, match: MatchResult) -> None:
-        """Record the admitted request's match (clock, recency, depth law, re-plans)."""
+        """Record the admitted request's match (clock, recency, depth law, re-plans, tail prior)."""
+        node = match.node
+        if match.kv_depth >= self.grid and node.parent is not None and not node.children:
+            # divergences above the first grid step cannot be served by any checkpoint: not evidence
+            self.tail.observe_suffix(node.end - match.kv_depth)
         self.tree.observe(match)
 
     def capture_plan(self, match: MatchResult, input_len: int, total_len: int | None = None) -> list[int]:
@@ -115,7 +130,14 @@ class HybridCache:
         to ``input_len``)."""
         total = input_len if total_len is None else total_len
         return capture_positions(
-            self.spec.admission, self.tree, match, input_len, total, grid=self.grid, block=self.spec.block
+            self.spec.admission,
+            self.tree,
+            match,
+            input_len,
+            total,
+            grid=self.grid,
+            block=self.spec.block,
+            tail=self.tail,
         )
 
     def insert(

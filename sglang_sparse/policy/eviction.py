@@ -112,7 +112,10 @@ class Evictor:
         """Eligible candidates ``(kind, node, pos)`` in deterministic order (pos -1 for node kinds)."""
         cfg = self.config
         out: list[tuple[int, Node, int]] = []
-        for node in self.tree.nodes():
+        tree = self.tree
+        # only unlocked leaves and unlocked nodes holding checkpoints can be candidates (tree indexes)
+        pool = sorted(tree.evictable_leaves | tree.evictable_ckpt_nodes, key=lambda n: n.uid)
+        for node in pool:
             if node.lock_ref > 0:
                 continue
             if not node.children:

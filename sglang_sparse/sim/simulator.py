@@ -13,19 +13,23 @@ Per request (input ``I``, output ``O``), definitions in tokens / FLOPs:
   after the last decoded token is the ``len(I + O)`` checkpoint).
 
 FLOP-aware policies start with ``alpha = 0`` for a bootstrap window of ``bootstrap`` requests, then
-tune alpha by replaying that window over the alpha grid (:class:`AlphaTuner`, process pool, grid
-order) and re-tune when the windowed hit rate drifts.
+tune alpha (and, for policies with ``eviction_modes``, the eviction granularity) by replaying that
+window over the grid (:class:`AlphaTuner`, process pool, grid order) from a snapshot of the cache
+taken when the window began, and re-tune when the windowed hit rate drifts.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from sglang_sparse.policy import AlphaTuner, HybridCache, ModelCostModel, PolicySpec, get_policy
+from sglang_sparse.policy.tuner import Setting
 from sglang_sparse.tree import as_tokens
 
 from .oracle import OracleLaw
@@ -61,7 +65,7 @@ class SimResult:
     flops_saved: float = 0.0
     flops_total: float = 0.0
     max_bytes_used: int = 0
-    alphas: list[tuple[int, float]] = field(default_factory=list)
+    alphas: list[tuple[int, Setting]] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
 
     @property
@@ -93,7 +97,7 @@ def simulate(
     cache_bytes: int,
     cost: ModelCostModel,
     *,
-    alpha: float | None = None,
+    alpha: Setting | None = None,
     bootstrap: int | None = None,
     tuner: AlphaTuner | None = None,
     oracle: OracleLaw | None = None,
@@ -123,10 +127,10 @@ def simulate(
     res = SimResult(spec.name, int(cache_bytes))
     tuning = spec.flop_aware and alpha is None
     if spec.flop_aware and alpha is not None:
-        cache.alpha = alpha
+        cache.apply(alpha)
     window = bootstrap if bootstrap is not None else max(1, min(200, n // 5))
     if tuning:
-        tuner = tuner or AlphaTuner(window=window)
+        tuner = tuner or AlphaTuner(cache.tuning_grid(AlphaTuner().grid), window=window)
     hits: list[float] = []
     since_tune = 0
     it = range(n)
@@ -134,23 +138,11 @@ def simulate(
         from tqdm import tqdm
 
         it = tqdm(it, desc=f"{spec.name}@{cache_bytes / 2**30:.1f}GiB", leave=False)
-    state_id = 0
+    ids = itertools.count(1)
+    snapshot = _snapshot(cache, oracle) if tuning else None
     for i in it:
         inp, full = prepared[i]
-        m = cache.match(inp)
-        c, kv = m.resume_depth, m.kv_depth
-        saved = cost.flops_saved(len(inp), c)
-        total = cost.prefill_flops(len(inp))
-        cache.observe(m)
-        plan = cache.capture_plan(m, len(inp), len(full))
-        ckpts = {}
-        for p in plan:
-            state_id += 1
-            ckpts[p] = state_id
-        cache.lock(m.node)
-        cache.insert(full, None, ckpts)
-        cache.unlock(m.node)
-        cache.evict_to_budget()
+        c, kv, saved, total, captured = _serve(cache, inp, full, cost, ids)
         if check:
             cache.tree.check()
         res.requests += 1
@@ -163,27 +155,63 @@ def simulate(
         res.max_bytes_used = max(res.max_bytes_used, cache.bytes_used)
         if keep_records:
             res.records.append(
-                RequestRecord(i, len(inp), kv, c, kv - c, len(plan), saved, total, cache.bytes_used)
+                RequestRecord(i, len(inp), kv, c, kv - c, captured, saved, total, cache.bytes_used)
             )
         hits.append(c / max(len(inp), 1))
         since_tune += 1
         if tuning and since_tune >= window and i + 1 < n:
             hr = float(np.mean(hits[-window:]))
-            first = not res.alphas
-            if first or tuner.should_retune(hr):
+            if not res.alphas or tuner.should_retune(hr):
                 lo = max(0, i + 1 - window)
-                evaluate = functools.partial(
-                    replay_score, list(requests[lo : i + 1]), spec, int(cache_bytes), cost, cache_kwargs
-                )
-                if spec.needs_law_provider:
-                    tuner_local = AlphaTuner(tuner.grid, window=tuner.window, drift=tuner.drift, workers=1)
-                    a = tuner_local.tune(functools.partial(_oracle_score, evaluate, oracle), at_request=i + 1)
-                else:
-                    a = tuner.tune(evaluate, at_request=i + 1)
-                cache.alpha = a
+                evaluate = functools.partial(warm_replay_score, snapshot, prepared[lo : i + 1], cost)
+                a = tuner.tune(evaluate, at_request=i + 1)
+                cache.apply(a)
                 res.alphas.append((i + 1, a))
-                since_tune = 0
+            since_tune = 0
+            snapshot = _snapshot(cache, oracle)
     return res
+
+
+def _serve(
+    cache: HybridCache, inp: np.ndarray, full: np.ndarray, cost: ModelCostModel, ids: Iterator[int]
+) -> tuple[int, int, float, float, int]:
+    """One request: match, observe, capture plan, insert input+output, evict to budget.
+
+    Returns ``(resume_depth, kv_depth, FLOPs saved, prefill FLOPs, states captured)``.
+    """
+    m = cache.match(inp)
+    c, kv = m.resume_depth, m.kv_depth
+    saved = cost.flops_saved(len(inp), c)
+    total = cost.prefill_flops(len(inp))
+    cache.observe(m)
+    plan = cache.capture_plan(m, len(inp), len(full))
+    cache.lock(m.node)
+    cache.insert(full, None, {p: next(ids) for p in plan})
+    cache.unlock(m.node)
+    cache.evict_to_budget()
+    return c, kv, saved, total, len(plan)
+
+
+def _snapshot(cache: HybridCache, oracle: OracleLaw | None) -> HybridCache:
+    """A deep copy of the cache (the oracle law provider is shared, not copied)."""
+    memo = {id(oracle): oracle} if oracle is not None else {}
+    return copy.deepcopy(cache, memo)
+
+
+def warm_replay_score(
+    snapshot: HybridCache,
+    window: Sequence[tuple[np.ndarray, np.ndarray]],
+    cost: ModelCostModel,
+    setting: Setting,
+) -> float:
+    """Tuner target: FLOPs saved replaying ``window`` (prepared ``(input, input+output)`` pairs) from
+    a copy of the cache as it was when the window began, with ``setting`` applied. Warm starts make
+    the score reflect the contention the setting will actually face (a cold replay from an empty
+    cache, as in Marconi's bootstrap, mostly measures warm-up)."""
+    cache = copy.deepcopy(snapshot)
+    cache.apply(setting)
+    ids = itertools.count(1)
+    return float(sum(_serve(cache, inp, full, cost, ids)[2] for inp, full in window))
 
 
 def replay_score(
@@ -192,15 +220,11 @@ def replay_score(
     cache_bytes: int,
     cost: ModelCostModel,
     cache_kwargs: dict,
-    alpha: float,
+    alpha: Setting,
     oracle: OracleLaw | None = None,
 ) -> float:
-    """FLOPs saved when replaying ``requests`` from an empty cache with a fixed ``alpha`` (tuner target)."""
+    """FLOPs saved when replaying ``requests`` from an empty cache with a fixed ``alpha``."""
     r = simulate(
         requests, policy, cache_bytes, cost, alpha=alpha, oracle=oracle, keep_records=False, **cache_kwargs
     )
     return r.flops_saved
-
-
-def _oracle_score(evaluate: functools.partial, oracle: OracleLaw, alpha: float) -> float:
-    return evaluate(alpha, oracle=oracle)

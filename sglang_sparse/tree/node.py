@@ -11,18 +11,153 @@ i.e. the tokens ``key = seq[start:end]``. Invariants (checked by :meth:`RadixTre
 * ``lock_ref > 0`` for every node on the path of a locked node (SGLang ``inc_lock_ref`` semantics);
   a locked node's KV and checkpoints are never evicted.
 * ``children`` is keyed by the first token of the child's edge.
+* ``version`` is bumped whenever the edge's identity changes (its ``key``/``start``/``parent`` after a
+  split or merge, or death): a :class:`~sglang_sparse.tree.MatchResult` recorded with the same
+  versions still describes a valid path (used by ``RadixTree.insert(..., hint=match)``).
+* ``heap_key`` is the ``last_access`` of this node's newest entry in the tree's LRU leaf heap
+  (``-1`` if it has none); maintained by :class:`RadixTree` only.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from sortedcontainers import SortedDict
 
 from sglang_sparse.placement import DepthHistogram
 
 EMPTY_KEY = np.empty(0, dtype=np.int32)
+
+
+class CheckpointMap(dict):
+    """``{position (tokens): state handle}`` with keys kept sorted: a light ``SortedDict`` stand-in.
+
+    A node holds a handful of checkpoints, and ``sortedcontainers.SortedDict()`` costs ~7 us to
+    construct (two per insert); this ``dict`` subclass costs ~0.3 us. It implements the part of the
+    ``SortedDict`` API the project uses: mapping operations, sorted iteration, ``keys()``/``values()``
+    /``items()`` (sorted **lists**, i.e. snapshots, indexable), ``peekitem``/``popitem(index)``,
+    ``bisect_left``/``bisect_right``/``bisect``, ``index``, ``irange``. Invariant: ``self._keys ==
+    sorted(dict.keys(self))``.
+    """
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, items: Mapping[int, Any] | Iterable[tuple[int, Any]] = ()) -> None:
+        super().__init__()
+        self._keys: list[int] = []
+        if items:
+            self.update(items)
+
+    # -- mutation (every path keeps ``_keys`` in sync)
+    def __setitem__(self, key: int, value: Any) -> None:
+        if not dict.__contains__(self, key):
+            bisect.insort(self._keys, key)
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key: int) -> None:
+        dict.__delitem__(self, key)
+        ks = self._keys
+        del ks[bisect.bisect_left(ks, key)]
+
+    _MISSING = object()
+
+    def pop(self, key: int, default: Any = _MISSING) -> Any:
+        if dict.__contains__(self, key):
+            value = dict.__getitem__(self, key)
+            del self[key]
+            return value
+        if default is CheckpointMap._MISSING:
+            raise KeyError(key)
+        return default
+
+    def popitem(self, index: int = -1) -> tuple[int, Any]:  # type: ignore[override]
+        """Remove and return the item at sorted ``index`` (default: the deepest)."""
+        if not self._keys:
+            raise KeyError("popitem(): checkpoint map is empty")
+        key = self._keys.pop(index)
+        return key, dict.pop(self, key)
+
+    def setdefault(self, key: int, default: Any = None) -> Any:
+        if not dict.__contains__(self, key):
+            self[key] = default
+        return dict.__getitem__(self, key)
+
+    def update(self, other: Any = (), **kw: Any) -> None:  # type: ignore[override]
+        items = other.items() if isinstance(other, Mapping) else other
+        for k, v in items:
+            self[k] = v
+        for k, v in kw.items():
+            self[k] = v
+
+    def __ior__(self, other: Any) -> CheckpointMap:  # type: ignore[override]
+        self.update(other)
+        return self
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self._keys.clear()
+
+    def copy(self) -> CheckpointMap:
+        return CheckpointMap(self.items())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CheckpointMap, (self.items(),))
+
+    # -- sorted views
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._keys)
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(self._keys)
+
+    def keys(self) -> list[int]:  # type: ignore[override]
+        return list(self._keys)
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        g = dict.__getitem__
+        return [g(self, k) for k in self._keys]
+
+    def items(self) -> list[tuple[int, Any]]:  # type: ignore[override]
+        g = dict.__getitem__
+        return [(k, g(self, k)) for k in self._keys]
+
+    def peekitem(self, index: int = -1) -> tuple[int, Any]:
+        key = self._keys[index]
+        return key, dict.__getitem__(self, key)
+
+    def bisect_left(self, key: int) -> int:
+        return bisect.bisect_left(self._keys, key)
+
+    def bisect_right(self, key: int) -> int:
+        return bisect.bisect_right(self._keys, key)
+
+    bisect = bisect_right
+
+    def index(self, key: int) -> int:
+        i = bisect.bisect_left(self._keys, key)
+        if i == len(self._keys) or self._keys[i] != key:
+            raise ValueError(f"{key} is not in checkpoint map")
+        return i
+
+    def irange(
+        self,
+        minimum: int | None = None,
+        maximum: int | None = None,
+        inclusive: tuple[bool, bool] = (True, True),
+    ) -> Iterator[int]:
+        """Sorted keys in ``[minimum, maximum]`` (bounds per ``inclusive``; ``None`` = unbounded)."""
+        ks = self._keys
+        lo, hi = 0, len(ks)
+        if minimum is not None:
+            lo = (bisect.bisect_left if inclusive[0] else bisect.bisect_right)(ks, minimum)
+        if maximum is not None:
+            hi = (bisect.bisect_right if inclusive[1] else bisect.bisect_left)(ks, maximum)
+        return iter(ks[lo:hi])
+
+    def __repr__(self) -> str:
+        return f"CheckpointMap({dict(self.items())!r})"
 
 
 class Node:
@@ -43,6 +178,7 @@ class Node:
         "plan",
         "version",
         "alive",
+        "heap_key",
     )
 
     def __init__(
@@ -54,7 +190,7 @@ class Node:
         self.parent = parent
         self.children: dict[int, Node] = {}
         self.kv = kv
-        self.checkpoints: SortedDict = SortedDict()
+        self.checkpoints: CheckpointMap = CheckpointMap()
         self.ckpt_access: dict[int, int] = {}
         self.lock_ref = 0
         self.last_access = clock
@@ -62,6 +198,7 @@ class Node:
         self.plan: tuple[int, ...] = ()
         self.version = 0
         self.alive = True
+        self.heap_key = -1
 
     @property
     def end(self) -> int:
@@ -85,10 +222,11 @@ class Node:
         ck = self.checkpoints
         if not ck:
             return None
-        i = ck.bisect_right(depth) - 1
+        i = bisect.bisect_right(ck._keys, depth) - 1  # noqa: SLF001 - same module
         if i < 0:
             return None
-        return ck.peekitem(i)
+        p = ck._keys[i]  # noqa: SLF001
+        return p, dict.__getitem__(ck, p)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,74 @@
+"""Where will future requests leave a *new* leaf? A learned prior over suffix distances.
+
+A freshly inserted sequence has no observations of its own, so the per-edge DP has nothing to plan
+with; Marconi only checkpoints it at its last token and learns the real branch point when a second
+request diverges there (that second request misses). Traces show a strong regularity instead: the
+*distance from the end of a leaf at which later requests diverge* (the user turn + answer after a
+system prompt, the question + answer after a document, 0 for multi-turn continuations) is stable
+across leaves even though absolute depths are not.
+
+:class:`TailPrior` keeps an EW histogram (:class:`~sglang_sparse.placement.DepthHistogram`) of
+those suffix distances ``s = leaf.end - d`` (tokens), observed whenever a request's KV match ends
+on a leaf edge at depth ``d``. For a new leaf ``(a, b]`` it maps the law to depths ``b - s`` and
+lets the exact DP choose up to ``budget`` positions on the grid (plus ``b`` itself, the last-token
+state), keeping only positions that serve at least ``min_share`` of the prior mass: a checkpoint
+costs a whole recurrent state, so an unlikely position is not worth capturing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram, DepthLaw, grid_candidates, solve_dp
+
+
+class TailPrior:
+    """EW law of suffix distances (tokens) at which requests diverge from leaves."""
+
+    def __init__(self, gamma: float = 0.99, min_share: float = 0.2, grid: int = DEFAULT_GRID) -> None:
+        if not 0.0 < min_share <= 1.0:
+            raise ValueError(f"min_share must be in (0, 1], got {min_share}")
+        self.hist = DepthHistogram(gamma, refresh=1)
+        self.min_share = float(min_share)
+        self.grid = int(grid)
+
+    def observe_suffix(self, suffix: int) -> None:
+        """Record that a request diverged ``suffix`` tokens before the end of a leaf (0 = continued)."""
+        self.hist.observe(max(0, int(suffix)))
+
+    @property
+    def observations(self) -> int:
+        return self.hist.observations
+
+    def continuation_share(self) -> float:
+        """Share of the (decayed) mass at suffix 0: requests that extend a leaf exactly at its end."""
+        s, w = self.hist.items()
+        tot = float(w.sum())
+        return float(w[s == 0].sum()) / tot if tot > 0 else 0.0
+
+    def positions(self, start: int, end: int, budget: int) -> list[int]:
+        """Up to ``budget`` checkpoint positions in ``(start, end]`` for a new leaf spanning those
+        depths: grid positions and ``end`` (the last-token state), each serving >= ``min_share`` of
+        the prior mass that falls on the leaf. Empty before any observation."""
+        if budget <= 0 or end <= start:
+            return []
+        s, w = self.hist.items()
+        if not s.size:
+            return []
+        depths = end - s
+        keep = depths > start
+        if not np.any(keep):
+            return []
+        depths, w = depths[keep], w[keep]
+        law = DepthLaw.from_depths(depths, w, grid_candidates(end, self.grid, start, include_end=True), start)
+        plan = solve_dp(law, budget).positions
+        if not plan:
+            return []
+        total = float(w.sum())
+        out = []
+        bounds = list(plan) + [end + 1]
+        for p, nxt in zip(plan, bounds[1:], strict=True):
+            served = float(w[(depths >= p) & (depths < nxt)].sum())
+            if served >= self.min_share * total:
+                out.append(int(p))
+        return out

@@ -1,0 +1,94 @@
+"""The product policy's own pieces: the learned tail prior, the sparse admission it drives, and the
+warm-start replay the alpha tuner scores settings with."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+
+from sglang_sparse.policy import HybridCache
+from sglang_sparse.policy.tail_prior import TailPrior
+from sglang_sparse.sim import cost_model, simulate, synthetic_trace
+from sglang_sparse.sim.simulator import _prepare, _serve, warm_replay_score
+
+COST = cost_model("qwen3-next-80b-a3b")
+
+
+def test_tail_prior_places_a_checkpoint_just_before_where_leaves_diverge() -> None:
+    t = TailPrior(gamma=1.0, min_share=0.2)
+    assert t.positions(0, 5000, 2) == []  # nothing observed: no opinion
+    for s in (90, 100, 110, 120):
+        t.observe_suffix(s)
+    # depths 5000 - s in [4880, 4910]: the deepest grid point at or below all of them
+    assert t.positions(0, 5000, 2) == [4864]
+    assert t.continuation_share() == 0.0
+    for _ in range(12):
+        t.observe_suffix(0)  # continuations dominate: the last-token state becomes worth keeping
+    pos = t.positions(0, 5000, 2)
+    assert 5000 in pos and t.continuation_share() == pytest.approx(0.75)
+    assert t.positions(4990, 5000, 2) == [5000]  # only what lies on the new leaf
+    with pytest.raises(ValueError, match="min_share"):
+        TailPrior(min_share=0)
+
+
+def test_min_share_drops_rare_positions() -> None:
+    t = TailPrior(gamma=1.0, min_share=0.3)
+    for s in [0] * 8 + [1000] * 2:  # 20% of divergences far from the end
+        t.observe_suffix(s)
+    assert t.positions(0, 4000, 2) == [4000]
+
+
+def _prompt_stream(
+    rng: np.random.Generator, prompts: int, repeats: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """System-prompt-like stream: each prompt P_k (1-3k tokens) is used ``repeats`` times in a row,
+    each time with a fresh 40-token question and a 60-token answer."""
+    out = []
+    for _ in range(prompts):
+        p = rng.integers(10, 50_000, int(rng.integers(1_000, 3_000)))
+        for _ in range(repeats):
+            inp = np.concatenate([p, rng.integers(10, 50_000, 40)])
+            out.append(
+                (inp.astype(np.int32), np.concatenate([inp, rng.integers(10, 50_000, 60)]).astype(np.int32))
+            )
+    return out
+
+
+@pytest.mark.parametrize("policy", ["sparse", "marconi"])
+def test_second_use_of_a_new_prompt_hits_only_with_the_learned_prior(policy: str) -> None:
+    stream = _prompt_stream(np.random.default_rng(0), prompts=12, repeats=2)
+    cache = HybridCache(policy, budget_bytes=10**14, cost=COST)
+    ids = itertools.count(1)
+    second_hits = []
+    for i, (inp, full) in enumerate(stream):
+        c, kv, *_ = _serve(cache, inp, full, COST, ids)
+        if i % 2 == 1:
+            assert kv >= len(inp) - 40  # the prompt's KV is always there
+            second_hits.append(c)
+    late = second_hits[6:]  # after the prior's warm-up
+    if policy == "marconi":  # only the last token was checkpointed: the second use recomputes it all
+        assert all(c == 0 for c in late)
+    else:  # a checkpoint within one grid step + the answer length of the divergence point
+        assert all(c > 0 for c in late)
+        for (inp, _), c in zip(stream[13::2], late, strict=True):
+            assert len(inp) - 40 - c < 64 + 100
+
+
+def test_warm_replay_score_starts_from_the_snapshot_and_leaves_it_untouched() -> None:
+    trace = synthetic_trace("doc_qa", 40, seed=1, scale=0.3)
+    prepared = _prepare(trace)
+    budget = 6 * COST.state_bytes + 20_000 * COST.kv_bytes_per_token
+    cache = HybridCache("sparse", budget_bytes=budget, cost=COST)
+    ids = itertools.count(1)
+    for inp, full in prepared[:20]:
+        _serve(cache, inp, full, COST, ids)
+    snap = copy.deepcopy(cache)
+    before = (snap.bytes_used, snap.tree.num_nodes, snap.tree.clock)
+    a = warm_replay_score(snap, prepared[20:], COST, 0.5)
+    assert a == warm_replay_score(snap, prepared[20:], COST, 0.5)  # deterministic
+    assert (snap.bytes_used, snap.tree.num_nodes, snap.tree.clock) == before
+    cold = simulate(trace[20:], "sparse", budget, COST, alpha=0.5, keep_records=False).flops_saved
+    assert a > cold  # the warm cache already holds the documents the window asks about
