@@ -7,6 +7,9 @@ stages, ``--quick`` shrinks each one. Each stage prints its table and writes JSO
 * ``traces``    - build the four traces from ``../shared/data`` into ``traces/build/``
 * ``placement`` - checkpoint placement Pareto fronts + DP solve time (benchmarks/placement.py)
 * ``sim``       - cache policies on the traces at several cache sizes (benchmarks/sim_compare.py)
+* ``serving``   - the real SGLang server on the CPU with ``--radix-cache-backend sparse`` vs the
+  native cache: TTFT and token equality on trace slices (benchmarks/serving.py; always its small
+  ``--quick`` size here, run ``python -m benchmarks.serving`` for the full one)
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 
 from ._common import REPO
 
-STAGES = ("traces", "placement", "sim")
+STAGES = ("traces", "placement", "sim", "serving")
 
 
 def run_stage(name: str, quick: bool) -> None:
@@ -35,7 +38,11 @@ def run_stage(name: str, quick: bool) -> None:
         ]
         subprocess.run(cmd, check=True, cwd=REPO)
         return
-    module = {"placement": "benchmarks.placement", "sim": "benchmarks.sim_compare"}[name]
+    module = {
+        "placement": "benchmarks.placement",
+        "sim": "benchmarks.sim_compare",
+        "serving": "benchmarks.serving",
+    }[name]
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
@@ -43,7 +50,7 @@ def run_stage(name: str, quick: bool) -> None:
             print(f"[benchmarks] stage {name!r} is not available yet ({module} missing); skipped")
             return
         raise
-    rc = mod.main(["--quick"] if quick else [])
+    rc = mod.main(["--quick"] if quick or name == "serving" else [])
     if rc:
         raise SystemExit(rc)
 

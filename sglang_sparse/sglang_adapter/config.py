@@ -1,0 +1,191 @@
+"""Options of the ``sparse`` radix-cache backend: one validated source, environment and/or JSON.
+
+Sources, later wins: built-in defaults < ``SGLANG_SPARSE_CONFIG=/path.json`` (an object whose keys
+are the option names below, lower case, without the prefix) < individual ``SGLANG_SPARSE_*``
+variables. Every value is validated when the scheduler builds the cache (the backend factory), so
+a bad value aborts server start-up with a :class:`SparseConfigError` naming the variable.
+
+=================================  =========  ==============================================
+variable (JSON key)                default    meaning
+=================================  =========  ==============================================
+``SGLANG_SPARSE_POLICY``            sparse     policy name from ``sglang_sparse.policy.POLICY_NAMES``
+(``policy``)                                   (simulator-only ``oracle`` is rejected)
+``SGLANG_SPARSE_EDGE_BUDGET``       4          per-edge checkpoint budget ``M`` of the DP plan (int >= 0)
+(``edge_budget``)
+``SGLANG_SPARSE_GAMMA``             0.99       decay of the per-edge depth histograms, in (0, 1]
+(``gamma``)
+``SGLANG_SPARSE_REFRESH``           10         re-plan an edge every N observations (int >= 1)
+(``refresh``)
+``SGLANG_SPARSE_ALPHA``             auto       FLOP-aware eviction weight: number >= 0, or ``auto``
+(``alpha``)                                    (bootstrap with 0, tune by replay, Marconi sec. 4.2);
+                                               must be 0/auto for non-FLOP-aware policies
+``SGLANG_SPARSE_GRID``              64         chunk grid of candidate positions (int >= 1)
+(``grid``)
+``SGLANG_SPARSE_TUNE_WINDOW``       200        requests per alpha-tuning window (int >= 1)
+(``tune_window``)
+``SGLANG_SPARSE_LOG_EVERY``         100        log a stats line every N finished requests (0: off)
+(``log_every``)
+=================================  =========  ==============================================
+
+This module has no SGLang import (it is unit-testable without the serving stack).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ENV_PREFIX = "SGLANG_SPARSE_"
+CONFIG_ENV = "SGLANG_SPARSE_CONFIG"
+
+
+class SparseConfigError(ValueError):
+    """A ``sparse`` backend option is invalid; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Validated options (see the module docstring)."""
+
+    policy: str = "sparse"
+    edge_budget: int = 4
+    gamma: float = 0.99
+    refresh: int = 10
+    alpha: float | None = None  # None = "auto"
+    grid: int = 64
+    tune_window: int = 200
+    log_every: int = 100
+
+    @property
+    def alpha_auto(self) -> bool:
+        return self.alpha is None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["alpha"] = "auto" if self.alpha is None else self.alpha
+        return d
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SparseConfig:
+        """Read ``SGLANG_SPARSE_CONFIG`` (JSON) then the ``SGLANG_SPARSE_*`` variables; validate."""
+        env = os.environ if environ is None else environ
+        raw: dict[str, tuple[str, Any]] = {}  # field -> (source name for messages, raw value)
+        path = env.get(CONFIG_ENV)
+        if path:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except OSError as e:
+                raise SparseConfigError(f"{CONFIG_ENV}={path!r}: cannot read ({e.strerror})") from None
+            except json.JSONDecodeError as e:
+                raise SparseConfigError(f"{CONFIG_ENV}={path!r}: invalid JSON ({e})") from None
+            if not isinstance(data, dict):
+                raise SparseConfigError(f"{CONFIG_ENV}={path!r}: expected a JSON object")
+            for k, v in data.items():
+                if k not in _FIELDS:
+                    raise SparseConfigError(
+                        f"{CONFIG_ENV}={path!r}: unknown key {k!r}; valid: {', '.join(_FIELDS)}"
+                    )
+                raw[k] = (f"{CONFIG_ENV}[{k!r}]", v)
+        for k in _FIELDS:
+            var = ENV_PREFIX + k.upper()
+            if var in env and env[var] != "":
+                raw[k] = (var, env[var])
+        unknown = sorted(
+            v
+            for v in env
+            if v.startswith(ENV_PREFIX) and v != CONFIG_ENV and v[len(ENV_PREFIX) :].lower() not in _FIELDS
+        )
+        if unknown:
+            raise SparseConfigError(
+                f"unknown variable {unknown[0]}; valid: {CONFIG_ENV}, "
+                + ", ".join(ENV_PREFIX + k.upper() for k in _FIELDS)
+            )
+        return cls.from_values(raw)
+
+    @classmethod
+    def from_values(cls, raw: Mapping[str, tuple[str, Any]]) -> SparseConfig:
+        kw: dict[str, Any] = {}
+        for k, (src, v) in raw.items():
+            kw[k] = _PARSERS[k](src, v)
+        cfg = cls(**kw)
+        cfg._check_policy_alpha(raw)
+        return cfg
+
+    def _check_policy_alpha(self, raw: Mapping[str, tuple[str, Any]]) -> None:
+        from sglang_sparse.policy import get_policy
+
+        spec = get_policy(self.policy)
+        if not spec.flop_aware and self.alpha not in (None, 0.0):
+            src = raw.get("alpha", (ENV_PREFIX + "ALPHA", None))[0]
+            raise SparseConfigError(
+                f"{src}={self.alpha}: policy {self.policy!r} is not FLOP-aware, alpha must be 0 or 'auto'"
+            )
+
+
+def _int(src: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool):
+        raise SparseConfigError(f"{src}={v!r}: expected an integer >= {lo}")
+    try:
+        x = int(str(v).strip()) if not isinstance(v, int) else v
+    except ValueError:
+        raise SparseConfigError(f"{src}={v!r}: expected an integer >= {lo}") from None
+    if x < lo:
+        raise SparseConfigError(f"{src}={v!r}: must be >= {lo}")
+    return x
+
+
+def _float(src: str, v: Any) -> float:
+    if isinstance(v, bool):
+        raise SparseConfigError(f"{src}={v!r}: expected a number")
+    try:
+        x = float(str(v).strip()) if not isinstance(v, (int, float)) else float(v)
+    except ValueError:
+        raise SparseConfigError(f"{src}={v!r}: expected a number") from None
+    if not math.isfinite(x):
+        raise SparseConfigError(f"{src}={v!r}: must be finite")
+    return x
+
+
+def _policy(src: str, v: Any) -> str:
+    from sglang_sparse.policy import POLICY_NAMES, get_policy
+
+    name = str(v).strip()
+    if name not in POLICY_NAMES:
+        raise SparseConfigError(f"{src}={v!r}: unknown policy; valid: {', '.join(POLICY_NAMES)}")
+    if get_policy(name).needs_law_provider:
+        raise SparseConfigError(f"{src}={v!r}: policy {name!r} needs the whole trace (simulator only)")
+    return name
+
+
+def _gamma(src: str, v: Any) -> float:
+    x = _float(src, v)
+    if not 0.0 < x <= 1.0:
+        raise SparseConfigError(f"{src}={v!r}: must be in (0, 1]")
+    return x
+
+
+def _alpha(src: str, v: Any) -> float | None:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return None
+    x = _float(src, v)
+    if x < 0:
+        raise SparseConfigError(f"{src}={v!r}: must be >= 0 or 'auto'")
+    return x
+
+
+_PARSERS = {
+    "policy": _policy,
+    "edge_budget": lambda s, v: _int(s, v, 0),
+    "gamma": _gamma,
+    "refresh": lambda s, v: _int(s, v, 1),
+    "alpha": _alpha,
+    "grid": lambda s, v: _int(s, v, 1),
+    "tune_window": lambda s, v: _int(s, v, 1),
+    "log_every": lambda s, v: _int(s, v, 0),
+}
+_FIELDS = tuple(_PARSERS)

@@ -1,0 +1,1 @@
+"""Test/benchmark helpers: a real SGLang CPU server, an offline Engine, and an HF reference."""

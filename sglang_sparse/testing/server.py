@@ -1,0 +1,366 @@
+"""Run a real SGLang server (or offline Engine) on the CPU, and an HF transformers greedy reference.
+
+Used by the serving tests and benchmarks::
+
+    from sglang_sparse.testing.server import SGLangServer, hf_greedy
+
+    with SGLangServer(model_dir, extra_args=["--radix-cache-backend", "sparse"]) as srv:
+        out = srv.generate([5, 6, 7], max_new_tokens=8)
+        out.output_ids, out.cached_tokens
+
+The server runs in its own process group on a free loopback port; :meth:`SGLangServer.stop` kills
+the whole group. Start-up failures raise :class:`ServerError` carrying the tail of the server log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Flags that make SGLang 0.5.23 serve a hybrid GDN model on a CPU without AMX.
+CPU_SERVER_ARGS: tuple[str, ...] = (
+    "--device",
+    "cpu",
+    "--skip-tokenizer-init",
+    "--disable-cuda-graph",
+    "--dtype",
+    "float32",
+    "--mem-fraction-static",
+    "0.05",
+    "--mamba-radix-cache-strategy",
+    "no_buffer",
+    "--disable-overlap-schedule",
+)
+
+#: Environment for SGLang on the CPU (merged over os.environ; callers may add more).
+#: SGLANG_MAMBA_CONV_DTYPE: SGLang keeps GDN conv states in bfloat16 by default, which makes decode
+#: drift ~1e-4 from an fp32 reference (prefill is unaffected); fp32 keeps greedy tokens HF-exact.
+CPU_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_MAMBA_CONV_DTYPE": "float32"}
+
+
+class ServerError(RuntimeError):
+    """The server failed to start or died; ``log_tail`` holds the end of its log."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(f"{message}\n--- server log (tail) ---\n{log_tail}" if log_tail else message)
+        self.log_tail = log_tail
+
+
+@dataclass
+class GenerateResult:
+    """One ``/generate`` answer: greedy output ids plus SGLang's ``meta_info``."""
+
+    output_ids: list[int]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache."""
+        return int(self.meta.get("cached_tokens") or 0)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.meta.get("prompt_tokens") or 0)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, n_chars: int = 6000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-n_chars:]
+
+
+class SGLangServer:
+    """A ``python -m sglang.launch_server`` subprocess on the CPU.
+
+    Args:
+        model_path: checkpoint directory.
+        extra_args: more CLI flags, appended after the defaults (later flags win in argparse), e.g.
+            ``["--radix-cache-backend", "sparse"]``.
+        env: extra environment variables (merged over ``os.environ`` and :data:`CPU_ENV`).
+        max_total_tokens, max_mamba_cache_size, context_length: common sizing knobs (None: omit).
+        base_args: replaces :data:`CPU_SERVER_ARGS` entirely when given.
+        log_path: where the server's stdout/stderr go (default: a temp file).
+        python: interpreter to run (default: the current one).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        *,
+        max_total_tokens: int | None = 4096,
+        max_mamba_cache_size: int | None = 16,
+        context_length: int | None = None,
+        base_args: Sequence[str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: str | Path | None = None,
+        python: str | None = None,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        args = list(CPU_SERVER_ARGS if base_args is None else base_args)
+        if max_total_tokens is not None:
+            args += ["--max-total-tokens", str(max_total_tokens)]
+        if max_mamba_cache_size is not None:
+            args += ["--max-mamba-cache-size", str(max_mamba_cache_size)]
+        if context_length is not None:
+            args += ["--context-length", str(context_length)]
+        self.cmd = [
+            python or sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            *args,
+            *extra_args,
+        ]
+        self.env = {**os.environ, **CPU_ENV, **(env or {})}
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="sglang_server_", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_seconds: float | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout: float = 240.0) -> SGLangServer:
+        """Launch and wait until ``/health`` answers 200 (and a tiny generate succeeds)."""
+        import requests
+
+        t0 = time.monotonic()
+        log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
+        self._log = log
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        deadline = t0 + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerError(f"server exited with code {self.proc.returncode}", _tail(self.log_path))
+            try:
+                r = requests.get(f"{self.url}/health", timeout=5)
+                if r.status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(f"server not healthy after {timeout:.0f}s", _tail(self.log_path))
+            time.sleep(0.5)
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc is not None:
+            # Children (scheduler, detokenizer) share the group; make sure none survive.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        log = getattr(self, "_log", None)
+        if log is not None:
+            log.close()
+
+    def __enter__(self) -> SGLangServer:
+        return self if self.proc is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, n_chars: int = 6000) -> str:
+        return _tail(self.log_path, n_chars)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- requests ----------------------------------------------------------------------------
+    def post(self, path: str, payload: Mapping[str, Any], timeout: float = 300.0) -> Any:
+        """POST JSON and return the ``requests.Response`` (no status check)."""
+        import requests
+
+        return requests.post(f"{self.url}{path}", json=dict(payload), timeout=timeout)
+
+    def generate(
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int = 8,
+        *,
+        sampling_params: Mapping[str, Any] | None = None,
+        timeout: float = 300.0,
+        **extra: Any,
+    ) -> GenerateResult:
+        """Greedy ``/generate`` from token ids; raises ``ServerError`` on a non-200 answer."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        params.update(sampling_params or {})
+        r = self.post(
+            "/generate", {"input_ids": list(input_ids), "sampling_params": params, **extra}, timeout=timeout
+        )
+        if r.status_code != 200:
+            raise ServerError(f"/generate returned HTTP {r.status_code}: {r.text[:2000]}")
+        body = r.json()
+        return GenerateResult(output_ids=list(body["output_ids"]), meta=dict(body.get("meta_info", {})))
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache (``/flush_cache``); True on success."""
+        import requests
+
+        return requests.post(f"{self.url}/flush_cache", timeout=60).status_code == 200
+
+
+@contextlib.contextmanager
+def cpu_engine(model_path: str | Path, **kwargs: Any) -> Iterator[Any]:
+    """An offline ``sglang.Engine`` on the CPU with the same settings as :class:`SGLangServer`.
+
+    ``kwargs`` override/extend the engine's ServerArgs fields. Yields the engine; shuts it down.
+    """
+    for k, v in CPU_ENV.items():
+        os.environ.setdefault(k, v)
+    import sglang
+
+    defaults: dict[str, Any] = dict(
+        device="cpu",
+        skip_tokenizer_init=True,
+        disable_cuda_graph=True,
+        dtype="float32",
+        mem_fraction_static=0.05,
+        mamba_radix_cache_strategy="no_buffer",
+        disable_overlap_schedule=True,
+        max_total_tokens=4096,
+        max_mamba_cache_size=16,
+        log_level="error",
+    )
+    defaults.update(kwargs)
+    engine = sglang.Engine(model_path=str(model_path), **defaults)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def engine_generate(engine: Any, input_ids: Sequence[int], max_new_tokens: int = 8) -> GenerateResult:
+    """Greedy generation through an offline Engine, same result type as the HTTP helper."""
+    out = engine.generate(
+        input_ids=list(input_ids),
+        sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    )
+    return GenerateResult(output_ids=list(out["output_ids"]), meta=dict(out.get("meta_info", {})))
+
+
+# -- HF transformers reference ---------------------------------------------------------------
+_TORCH_PATH_FUNCS = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+_HF_MODULES = (
+    "transformers.models.qwen3_next.modeling_qwen3_next",
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+)
+
+
+def force_hf_torch_path() -> list[str]:
+    """Point HF's GDN layers at their pure-torch functions.
+
+    transformers resolves ``chunk_gated_delta_rule`` etc. at import time and prefers FLA (Triton)
+    or causal-conv1d when importable; those crash on a CPU. Each module-level wrapper keeps the torch
+    function as ``__wrapped__``; this rebinds the module globals to it. Returns the names rebound.
+    """
+    import importlib
+
+    rebound = []
+    for mod_name in _HF_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        for name in _TORCH_PATH_FUNCS:
+            fn = getattr(mod, name, None)
+            if fn is None:
+                continue
+            base = inspect.unwrap(fn)
+            if base is not fn:
+                setattr(mod, name, base)
+                rebound.append(f"{mod_name}.{name}")
+    return rebound
+
+
+class HFReference:
+    """Greedy generation with HF transformers on the CPU (fp32, torch-only GDN path)."""
+
+    def __init__(self, model_path: str | Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        force_hf_torch_path()
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        self.model.eval()
+
+    def greedy(self, input_ids: Sequence[int], max_new_tokens: int = 8) -> list[int]:
+        """Greedy continuation of ``input_ids`` (prefill + cached decode, like a server)."""
+        torch = self.torch
+        ids = torch.tensor([list(input_ids)], dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=0,
+            )
+        return [int(t) for t in out[0, ids.shape[1] :].tolist()]
+
+    def logits(self, input_ids: Sequence[int]) -> Any:
+        """Last-position logits (fp32) for ``input_ids`` (full forward, no cache)."""
+        torch = self.torch
+        with torch.inference_mode():
+            return self.model(torch.tensor([list(input_ids)]), use_cache=False).logits[0, -1]
+
+
+def hf_greedy(
+    model_path: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8
+) -> list[list[int]]:
+    """Convenience: greedy continuations of several prompts with one HF model load."""
+    ref = HFReference(model_path)
+    return [ref.greedy(p, max_new_tokens) for p in prompts]
