@@ -30,7 +30,6 @@ from .cost_model import ModelCostModel
 from .eviction import Evictor
 from .registry import PolicySpec, get_policy
 from .tail_prior import TailPrior
-from .tuner import Setting, setting_alpha
 
 
 class HybridCache:
@@ -97,14 +96,6 @@ class HybridCache:
         if value < 0:
             raise ValueError(f"alpha must be >= 0, got {value}")
         self.evictor.alpha = float(value)
-
-    def apply(self, setting: Setting) -> None:
-        """Apply a tuner setting (an alpha; ``(alpha, _)`` tuples are accepted for forward compatibility)."""
-        self.alpha = setting_alpha(setting)
-
-    def tuning_grid(self, alphas: tuple[float, ...]) -> list[Setting]:
-        """The settings the replay tuner should try for this policy (every alpha of ``alphas``)."""
-        return list(alphas)
 
     @property
     def bytes_used(self) -> int:

@@ -15,17 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
 
 DEFAULT_ALPHA_GRID: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-
-Setting = float | tuple[float, int]
-"""What the tuner chooses: an alpha, or ``(alpha, eviction mode index)`` for policies that let the
-replay also pick the eviction granularity (see ``PolicySpec.eviction_modes``)."""
-
-
-def setting_alpha(setting: Setting) -> float:
-    return float(setting[0]) if isinstance(setting, tuple) else float(setting)
 
 
 class AlphaTuner:
@@ -33,23 +24,23 @@ class AlphaTuner:
 
     def __init__(
         self,
-        grid: Sequence[Setting] = DEFAULT_ALPHA_GRID,
+        grid: Sequence[float] = DEFAULT_ALPHA_GRID,
         *,
         window: int = 200,
         drift: float = 0.05,
         workers: int = 2,
     ) -> None:
-        if not grid or any(setting_alpha(a) < 0 for a in grid):
+        if not grid or any(a < 0 for a in grid):
             raise ValueError(f"alpha grid must be non-empty and >= 0, got {grid!r}")
         if window < 1 or workers < 1 or drift <= 0:
             raise ValueError("window and workers must be >= 1 and drift > 0")
-        self.grid: tuple[Any, ...] = tuple(a if isinstance(a, tuple) else float(a) for a in grid)
+        self.grid = tuple(float(a) for a in grid)
         self.window, self.drift, self.workers = int(window), float(drift), int(workers)
         self.reference_hit_rate: float | None = None
-        self.history: list[tuple[int, Setting, tuple[float, ...]]] = []
+        self.history: list[tuple[int, float, tuple[float, ...]]] = []
 
-    def tune(self, evaluate: Callable[[Any], float], at_request: int = 0) -> Setting:
-        """Score every setting of the grid with ``evaluate`` and return the best (first on ties)."""
+    def tune(self, evaluate: Callable[[float], float], at_request: int = 0) -> float:
+        """Score every alpha of the grid with ``evaluate`` and return the best (first on ties)."""
         if self.workers == 1 or len(self.grid) == 1:
             scores = [evaluate(a) for a in self.grid]
         else:

@@ -23,6 +23,7 @@ only, no wall time, no randomness.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections import OrderedDict, deque
@@ -130,6 +131,7 @@ class PolicyShadow:
         self._window: deque[tuple[tuple[int, ...], tuple[int, ...]]] = deque(maxlen=self.config.tune_window)
         self._window_hits: deque[float] = deque(maxlen=self.config.tune_window)
         self._since_tune = 0
+        self._snapshot: HybridCache | None = None
 
     @property
     def alpha(self) -> float:
@@ -322,6 +324,8 @@ class PolicyShadow:
         self.stats.finished += 1
         if not self.tuning or p is None:
             return
+        if self._since_tune == 0:  # a window begins: the tuner replays it from this state (warm)
+            self._snapshot = copy.deepcopy(self.cache)
         self._window.append((tuple(int(x) for x in input_ids), tuple(int(x) for x in output_ids)))
         self._window_hits.append(p.engine_prefix / max(p.input_len, 1))
         self._since_tune += 1
@@ -346,28 +350,17 @@ class PolicyShadow:
             self._since_tune = 0
 
     def _tune_unsafe(self) -> None:
-        from sglang_sparse.sim.simulator import replay_score
-        from sglang_sparse.sim.trace import SimRequest
+        from sglang_sparse.sim.simulator import warm_replay_score
 
         if self.tuner is None:
-            grid = AlphaTuner().grid
-            if hasattr(self.cache, "tuning_grid"):
-                grid = self.cache.tuning_grid(grid)
-            self.tuner = AlphaTuner(grid, window=self.config.tune_window, workers=1)
-
-        reqs = [SimRequest("s", i, a, b) for i, (a, b) in enumerate(self._window)]
-        kw = dict(
-            gamma=self.config.gamma,
-            refresh=self.config.refresh,
-            plan_budget=self.config.edge_budget,
-            grid=self.config.grid,
-        )
-        evaluate = functools.partial(replay_score, reqs, self.spec, self.budget_bytes, self.cost, kw)
+            self.tuner = AlphaTuner(window=self.config.tune_window, workers=1)
+        window = []
+        for inp, out in self._window:
+            a = np.asarray(inp, dtype=np.int32)
+            window.append((a, np.concatenate([a, np.asarray(out, dtype=np.int32)])))
+        evaluate = functools.partial(warm_replay_score, self._snapshot, window, self.cost)
         a = self.tuner.tune(evaluate, at_request=self.stats.finished)
-        if hasattr(self.cache, "apply"):
-            self.cache.apply(a)
-        else:
-            self.cache.alpha = a
+        self.cache.alpha = a
         self.stats.alpha_tunes.append((self.stats.finished, a))
         self._since_tune = 0
 

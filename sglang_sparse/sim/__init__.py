@@ -2,7 +2,7 @@
 
 from .models import MODEL_CONFIGS, QWEN3_NEXT_80B_A3B, cost_model
 from .oracle import OracleLaw
-from .simulator import RequestRecord, SimResult, replay_score, simulate
+from .simulator import RequestRecord, SimResult, simulate, warm_replay_score
 from .synthetic import SHAPES, synthetic_trace
 from .trace import SimRequest, load_trace
 
@@ -16,7 +16,7 @@ __all__ = [
     "SimResult",
     "cost_model",
     "load_trace",
-    "replay_score",
     "simulate",
     "synthetic_trace",
+    "warm_replay_score",
 ]

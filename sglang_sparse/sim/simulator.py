@@ -13,9 +13,9 @@ Per request (input ``I``, output ``O``), definitions in tokens / FLOPs:
   after the last decoded token is the ``len(I + O)`` checkpoint).
 
 FLOP-aware policies start with ``alpha = 0`` for a bootstrap window of ``bootstrap`` requests, then
-tune alpha (and, for policies with ``eviction_modes``, the eviction granularity) by replaying that
-window over the grid (:class:`AlphaTuner`, process pool, grid order) from a snapshot of the cache
-taken when the window began, and re-tune when the windowed hit rate drifts.
+tune alpha by replaying that window over the alpha grid (:class:`AlphaTuner`, process pool, grid
+order) from a snapshot of the cache taken when the window began, and re-tune when the windowed hit
+rate drifts. The SGLang adapter tunes with the same :func:`warm_replay_score`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from sglang_sparse.policy import AlphaTuner, HybridCache, ModelCostModel, PolicySpec, get_policy
-from sglang_sparse.policy.tuner import Setting
 from sglang_sparse.tree import as_tokens
 
 from .oracle import OracleLaw
@@ -65,7 +64,7 @@ class SimResult:
     flops_saved: float = 0.0
     flops_total: float = 0.0
     max_bytes_used: int = 0
-    alphas: list[tuple[int, Setting]] = field(default_factory=list)
+    alphas: list[tuple[int, float]] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
 
     @property
@@ -97,7 +96,7 @@ def simulate(
     cache_bytes: int,
     cost: ModelCostModel,
     *,
-    alpha: Setting | None = None,
+    alpha: float | None = None,
     bootstrap: int | None = None,
     tuner: AlphaTuner | None = None,
     oracle: OracleLaw | None = None,
@@ -127,10 +126,10 @@ def simulate(
     res = SimResult(spec.name, int(cache_bytes))
     tuning = spec.flop_aware and alpha is None
     if spec.flop_aware and alpha is not None:
-        cache.apply(alpha)
+        cache.alpha = alpha
     window = bootstrap if bootstrap is not None else max(1, min(200, n // 5))
     if tuning:
-        tuner = tuner or AlphaTuner(cache.tuning_grid(AlphaTuner().grid), window=window)
+        tuner = tuner or AlphaTuner(window=window)
     hits: list[float] = []
     since_tune = 0
     it = range(n)
@@ -165,7 +164,7 @@ def simulate(
                 lo = max(0, i + 1 - window)
                 evaluate = functools.partial(warm_replay_score, snapshot, prepared[lo : i + 1], cost)
                 a = tuner.tune(evaluate, at_request=i + 1)
-                cache.apply(a)
+                cache.alpha = a
                 res.alphas.append((i + 1, a))
             since_tune = 0
             snapshot = _snapshot(cache, oracle)
@@ -202,29 +201,13 @@ def warm_replay_score(
     snapshot: HybridCache,
     window: Sequence[tuple[np.ndarray, np.ndarray]],
     cost: ModelCostModel,
-    setting: Setting,
+    alpha: float,
 ) -> float:
     """Tuner target: FLOPs saved replaying ``window`` (prepared ``(input, input+output)`` pairs) from
-    a copy of the cache as it was when the window began, with ``setting`` applied. Warm starts make
-    the score reflect the contention the setting will actually face (a cold replay from an empty
+    a copy of the cache as it was when the window began, with ``alpha`` applied. Warm starts make
+    the score reflect the contention that alpha will actually face (a cold replay from an empty
     cache, as in Marconi's bootstrap, mostly measures warm-up)."""
     cache = copy.deepcopy(snapshot)
-    cache.apply(setting)
+    cache.alpha = alpha
     ids = itertools.count(1)
     return float(sum(_serve(cache, inp, full, cost, ids)[2] for inp, full in window))
-
-
-def replay_score(
-    requests: list[SimRequest],
-    policy: str | PolicySpec,
-    cache_bytes: int,
-    cost: ModelCostModel,
-    cache_kwargs: dict,
-    alpha: Setting,
-    oracle: OracleLaw | None = None,
-) -> float:
-    """FLOPs saved when replaying ``requests`` from an empty cache with a fixed ``alpha``."""
-    r = simulate(
-        requests, policy, cache_bytes, cost, alpha=alpha, oracle=oracle, keep_records=False, **cache_kwargs
-    )
-    return r.flops_saved
