@@ -1,7 +1,11 @@
-"""Builds the optional C fast path of the placement DP; everything else lives in pyproject.toml.
+"""Builds the optional C fast paths; everything else lives in pyproject.toml.
 
-If no C compiler is available the package still installs and falls back to the pure-Python
-O(N·M) hull (same results, slower).
+* ``sglang_sparse.placement._cht_native``: the placement DP (fallback: the pure-Python O(N·M) hull).
+* ``sglang_sparse.tree._lcp_native``: the radix tree's longest-common-prefix of int32 token buffers
+  (fallback: the chunked numpy ``_lcp_numpy`` in ``sglang_sparse/tree/radix.py``).
+
+If no C compiler is available the package still installs and uses the fallbacks (same results,
+slower).
 """
 
 from setuptools import Extension, setup
@@ -13,13 +17,13 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any compiler failure must not break the install
-            print(f"warning: native placement DP not built ({exc}); using the pure-Python DP")
+            print(f"warning: native extensions not built ({exc}); using the pure-Python fallbacks")
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
-            print(f"warning: native placement DP not built ({exc}); using the pure-Python DP")
+            print(f"warning: {ext.name} not built ({exc}); using its pure-Python fallback")
 
 
 setup(
@@ -29,7 +33,13 @@ setup(
             sources=["sglang_sparse/placement/_cht_native.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "sglang_sparse.tree._lcp_native",
+            sources=["sglang_sparse/tree/_lcp_native.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

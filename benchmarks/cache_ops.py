@@ -16,17 +16,20 @@ server doing only cache work); times are per call, in microseconds:
   (``lru_leaf`` + ``drop_leaf``, then merges a checkpoint-free single-child parent like the policy
   evictor does).
 * ``baseline`` (``--baseline-tree DIR``): another copy of ``sglang_sparse/tree`` (e.g. the code before
-  an optimisation) loaded under a private name, driven with plain ``match`` + ``insert``. It evicts
-  the same leaf as ``sparse`` did in that op, found by matching the victim's path (no O(n) scan that
-  would trash its caches; not timed), so both trees stay identical: every ``kv_depth`` must agree.
+  an optimisation) loaded under a private name, driven like ``sparse`` (``insert`` alternating between
+  ``hint=match`` and plain) if its ``insert`` takes a ``hint``, else with plain ``match`` + ``insert``;
+  the ``baseline/sparse`` ratios compare the same operation. It evicts the same leaf as ``sparse`` did
+  in that op, found by matching the victim's path (no O(n) scan that would trash its caches; not
+  timed), so both trees stay identical: every ``kv_depth`` must agree.
 * ``sglang``: SGLang's Python ``RadixCache`` (``sglang.srt.mem_cache.radix_cache``, page size 1, a
   dummy allocator; KV only -- it has no recurrent-state checkpoints -- and its ``match_prefix``
   splits nodes), on ``array('q')`` keys as its scheduler passes them: ``match_prefix`` + ``insert``
   + ``evict(1 token)``. Only when ``sglang`` imports in this interpreter (use
   ``/work/main/.venv/bin/python``); otherwise the JSON says exactly why.
 
-Separate phases: the policy :class:`~sglang_sparse.policy.eviction.Evictor` evicting one leaf (it
-enumerates every node per round), and ``match`` on Python-list prompts (list -> int32 conversion).
+Separate phases: the policy :class:`~sglang_sparse.policy.eviction.Evictor` evicting one leaf at
+alpha 0 and alpha 2 (incremental candidate index; its first call, which builds the index, is
+reported apart), and ``match`` on Python-list prompts (list -> int32 conversion).
 
     python benchmarks/cache_ops.py [--quick] [--ops 2000] [--baseline-tree DIR] [--[no-]sglang]
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -58,6 +62,7 @@ from benchmarks._common import table  # noqa: E402
 from sglang_sparse.policy import HybridCache  # noqa: E402
 from sglang_sparse.sim import cost_model  # noqa: E402
 from sglang_sparse.tree import RadixTree  # noqa: E402
+from sglang_sparse.tree import radix as tree_radix  # noqa: E402
 
 FAN = (10, 10, 100)  # system prompts, documents per prompt, questions per document
 LENS = (16_000, 15_500, 500)  # tokens of each level (a full path is 32k tokens)
@@ -157,22 +162,28 @@ def load_tree_package(path: Path) -> ModuleType:
 
 
 class Baseline:
-    """Another copy of the tree code, plain match + insert (no hint, no eviction index)."""
+    """Another copy of the tree code: the same op mix as :class:`Sparse` (alternating hinted and plain
+    inserts) when its ``insert`` takes a ``hint``, else plain match + insert; evicts ``sparse``'s victim.
+    """
 
     name = "baseline"
 
     def __init__(self, pkg: ModuleType, paths: list[tuple[np.ndarray, int]], like: RadixTree) -> None:
         self.tree = pkg.RadixTree(like.kv_bytes_per_token, like.state_bytes)
+        self.hint = "hint" in inspect.signature(self.tree.insert).parameters
         for q, doc_end in paths:
             self.tree.insert(q, None, ckpts_for(q, doc_end))
         self.t: dict[str, list[float]] = {"match": [], "insert": [], "match+insert": []}
+        if self.hint:
+            self.t.update({"insert_hint": [], "match+insert_hint": []})
 
     def op(self, i: int, q: np.ndarray, ctx: dict[str, Any]) -> int:
         tree, perf = self.tree, time.perf_counter
+        use_hint = self.hint and i % 2 == 0
         a = perf()
         m = tree.match(q)
         b = perf()
-        r = tree.insert(q, None, {len(q): 0})
+        r = tree.insert(q, None, {len(q): 0}, hint=m) if use_hint else tree.insert(q, None, {len(q): 0})
         c = perf()
         assert r.prefix_len == m.kv_depth
         victim = ctx["victim"]
@@ -183,8 +194,8 @@ class Baseline:
         tree.drop_leaf(leaf)
         merge_if_chain(tree, parent)
         self.t["match"].append(b - a)
-        self.t["insert"].append(c - b)
-        self.t["match+insert"].append(c - a)
+        self.t["insert_hint" if use_hint else "insert"].append(c - b)
+        self.t["match+insert_hint" if use_hint else "match+insert"].append(c - a)
         return m.kv_depth
 
 
@@ -339,12 +350,21 @@ def main(argv: list[str] | None = None) -> int:
             baseline.tree.match(ql)
             t_list_base.append(time.perf_counter() - a)
 
-    # The policy evictor (enumerates every node per round; see the tree's eviction index instead).
-    t_pol = []
-    for _ in range(n_policy_evict):
-        a = time.perf_counter()
-        sparse.cache.evictor.evict(sparse.cache.bytes_used - 1)
-        t_pol.append(time.perf_counter() - a)
+    # The policy evictor (incremental candidate index): the first call builds the index (timed
+    # apart), then single-leaf evictions back to back at alpha 0 (LRU) and alpha 2 (FLOP-aware).
+    ev = sparse.cache.evictor
+    a = time.perf_counter()
+    ev.evict(sparse.cache.bytes_used - 1)
+    t_pol_build = [time.perf_counter() - a]
+    t_pol: dict[float, list[float]] = {0.0: [], 2.0: []}
+    for alpha, ts in t_pol.items():
+        sparse.cache.alpha = alpha
+        ev.evict(sparse.cache.bytes_used - 1)  # untimed: the first round after an alpha change
+        for _ in range(n_policy_evict):
+            a = time.perf_counter()
+            ev.evict(sparse.cache.bytes_used - 1)
+            ts.append(time.perf_counter() - a)
+    sparse.cache.alpha = 0.0
     sparse.tree.check()
 
     res: dict[str, Any] = {
@@ -353,11 +373,14 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
         },
+        "sparse_tree_native": tree_radix.HAVE_NATIVE_LCP,  # C LCP/descent built (else numpy fallback)
         "nodes": sparse.tree.num_nodes,
         "prompt_tokens": len(paths[0][0]),
         "ops": ops,
         "structures": {s.name: {k: stats(v) for k, v in s.t.items() if v} for s in structs},
-        "sparse_policy_evictor_one_leaf": stats(t_pol),
+        "sparse_policy_evictor_one_leaf": stats(t_pol[0.0]),
+        "sparse_policy_evictor_one_leaf_alpha2": stats(t_pol[2.0]),
+        "sparse_policy_evictor_first_call_builds_index": stats(t_pol_build),
         "sparse_match_list_input": stats(t_list),
         "sparse_list_to_int32": stats(t_conv),
         "sglang_radix_cache": sglang_status,
@@ -372,15 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     for s in structs:
         for k, v in res["structures"][s.name].items():
             rows.append([s.name, k, round(v["median_us"], 1), round(v["p99_us"], 1), v["n"]])
-    rows.append(
-        [
-            "sparse",
-            "policy Evictor, 1 leaf",
-            round(res["sparse_policy_evictor_one_leaf"]["median_us"], 1),
-            round(res["sparse_policy_evictor_one_leaf"]["p99_us"], 1),
-            n_policy_evict,
-        ]
-    )
+    for label, key in (
+        ("policy Evictor, 1 leaf, alpha 0", "sparse_policy_evictor_one_leaf"),
+        ("policy Evictor, 1 leaf, alpha 2", "sparse_policy_evictor_one_leaf_alpha2"),
+        ("policy Evictor, first call (index)", "sparse_policy_evictor_first_call_builds_index"),
+    ):
+        rows.append(
+            ["sparse", label, round(res[key]["median_us"], 1), round(res[key]["p99_us"], 1), res[key]["n"]]
+        )
     for name, key in (
         ("sparse", "sparse_match_list_input"),
         ("sparse", "sparse_list_to_int32"),
@@ -401,13 +423,21 @@ def main(argv: list[str] | None = None) -> int:
     for other in ("baseline", "sglang"):
         if other in res["structures"]:
             o = res["structures"][other]
-            ratios[f"{other}/sparse match+insert"] = (
-                o["match+insert"]["median_us"] / sp["match+insert_hint"]["median_us"]
-            )
+            if "match+insert_hint" in o:  # a baseline tree with hints: compare like with like
+                ratios[f"{other}/sparse match+insert_hint"] = (
+                    o["match+insert_hint"]["median_us"] / sp["match+insert_hint"]["median_us"]
+                )
+                ratios[f"{other}/sparse match+insert (plain)"] = (
+                    o["match+insert"]["median_us"] / sp["match+insert"]["median_us"]
+                )
+            else:  # SGLang (or an old tree) has no hint: its match + insert vs ours with the hint
+                ratios[f"{other}/sparse match+insert"] = (
+                    o["match+insert"]["median_us"] / sp["match+insert_hint"]["median_us"]
+                )
             ratios[f"{other}/sparse match"] = o["match"]["median_us"] / sp["match"]["median_us"]
     res["ratios_same_run"] = ratios
     for k, v in ratios.items():
-        print(f"{k:34s} {v:6.2f}x")
+        print(f"{k:38s} {v:6.2f}x")
     print(
         f"target match+insert median <= 50 us: {'met' if res['target']['met'] else 'NOT met'} "
         f"({sp['match+insert_hint']['median_us']:.1f} us); total {time.perf_counter() - t_start:.0f} s"

@@ -120,7 +120,21 @@ def run_config(
     return out
 
 
-def summarize(results: dict, trace_names: list[str]) -> dict:
+def ideal_prefilled(prompts: list[list[int]]) -> int:
+    """Lower bound on the tokens any prefix cache must prefill for ``prompts`` replayed in order:
+    an unbounded cache with a state at every position reuses each prompt's longest common prefix
+    with any earlier prompt (at least the last token is always computed)."""
+    from sglang_sparse.tree import RadixTree
+
+    tree = RadixTree(1, 1)
+    total = 0
+    for p in prompts:
+        total += len(p) - min(tree.match(p).kv_depth, len(p) - 1)
+        tree.insert(p)
+    return total
+
+
+def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | None = None) -> dict:
     summary: dict[str, dict] = {}
     for tname in trace_names:
         ref = [r["token"] for r in results["nocache"][tname]["rows"]]
@@ -146,6 +160,12 @@ def summarize(results: dict, trace_names: list[str]) -> dict:
                 native_mean = d["ttft_mean"]
         for d in s.values():
             d["ttft_mean_vs_native"] = d["ttft_mean"] / native_mean if native_mean else None
+        if ideal is not None and "native" in s:
+            # what no cache can beat: a perfect cache's prefilled tokens, as a fraction of native's
+            s["perfect_cache_bound"] = {
+                "prefilled_tokens": ideal[tname],
+                "prefilled_vs_native": ideal[tname] / max(s["native"]["prefilled_tokens"], 1),
+            }
         summary[tname] = s
     return summary
 
@@ -159,7 +179,7 @@ def plot(summary: dict, path: Path) -> None:
     tnames = list(summary)
     fig, axes = plt.subplots(1, len(tnames), figsize=(5.5 * len(tnames), 4), squeeze=False)
     for ax, t in zip(axes[0], tnames, strict=True):
-        names = list(summary[t])
+        names = [c for c in summary[t] if c != "perfect_cache_bound"]
         means = [summary[t][c]["ttft_mean"] for c in names]
         p95 = [summary[t][c]["ttft_p95"] for c in names]
         x = range(len(names))
@@ -222,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         for cname, (extra, env) in cfgs.items():
             bar.set_postfix_str(cname)
             results[cname] = run_config(model_dir, cname, extra, env, traces, bar, context)
-    summary = summarize(results, trace_names)
+    ideal = {t: ideal_prefilled(v) for t, v in traces.items()}
+    summary = summarize(results, trace_names, ideal)
     doc = {
         "model": {"size": args.size, "path": str(model_dir)},
         "quick": args.quick,
@@ -241,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     plot(summary, args.out.with_suffix(".png"))
     for t, s in summary.items():
         for c, d in s.items():
+            if c == "perfect_cache_bound":
+                print(
+                    f"{t:15s} perfect cache would prefill {d['prefilled_tokens']} tokens = "
+                    f"{d['prefilled_vs_native']:.2f}x native's (no cache can do better on this slice)"
+                )
+                continue
             r = d["ttft_mean_vs_native"]
             print(
                 f"{t:15s} {c:8s} ttft mean {d['ttft_mean']:.3f}s median {d['ttft_median']:.3f}s "

@@ -68,6 +68,35 @@ def test_sglang_native_evicts_states_independently_of_kv():
     assert freed.states == ["s20"] and c.tree.kv_tokens == 50
 
 
+def test_evicting_the_deepest_state_of_a_leaf_drops_its_dead_kv():
+    """As SGLang's MambaComponent: a leaf whose last state goes loses the KV nobody can resume from."""
+    c = small("sglang_native", budget=10_000)
+    c.insert([1] * 50, None, {20: "s20", 50: "s50"})
+    c.observe(c.match([1] * 20))  # s20 used as a resume point -> s50 is the older state
+    freed = c.evict(5)
+    assert freed.states == ["s50"]
+    assert c.tree.kv_tokens == 20 and freed.kv_tokens == 30  # truncated to the s20 checkpoint
+    c.tree.check()
+    c.observe(c.match([1] * 50))  # s20 fresher than nothing else: it goes next, with all the KV
+    freed = c.evict(5)
+    assert freed.states == ["s20"] and c.tree.kv_tokens == 0
+    c.tree.check()
+
+
+def test_sparse_evicts_what_can_never_fit_before_anything_else():
+    """A state whose path KV + state exceed the whole cache cannot be kept with its prefix: evicting
+    older servable entries to make room for it would only empty the cache."""
+    c = HybridCache("sparse", budget_bytes=100, cost=COST, kv_bytes_per_token=1, state_bytes=10)
+    c.alpha = 8.0
+    c.insert([1] * 60, None, {60: "old"})  # 70 bytes
+    c.observe(c.match([2] * 95))
+    c.insert([2] * 95, None, {95: "new"})  # 105 bytes alone: never fits
+    freed = c.evict_to_budget()
+    assert freed.states == ["new"] and c.bytes_used == 70
+    assert c.match([1] * 60).resume_depth == 60
+    c.tree.check()
+
+
 def _score(alpha: float) -> float:
     return -((alpha - 0.5) ** 2)
 
@@ -75,6 +104,10 @@ def _score(alpha: float) -> float:
 def test_alpha_tuner_grid_order_and_drift():
     t = AlphaTuner((0.0, 0.5, 1.0, 0.5), workers=2, drift=0.1)
     assert t.tune(_score) == 0.5 and t.history[0][2] == (-0.25, 0.0, -0.25, 0.0)
+    flat = AlphaTuner((0.0, 1.0, 2.0), workers=1)
+    assert flat.tune(lambda a: min(a, 1.0)) == 1.0  # tie between 1 and 2: the first
+    assert flat.tune(lambda a: min(a, 1.0), current=2.0) == 2.0  # a tie keeps the alpha in use
+    assert flat.tune(lambda a: min(a, 1.0), current=0.0) == 1.0  # a better one still wins
     assert not t.should_retune(0.5)
     assert not t.should_retune(0.55)
     assert t.should_retune(0.7)

@@ -41,6 +41,24 @@ def test_min_share_drops_rare_positions() -> None:
     assert t.positions(0, 4000, 2) == [4000]
 
 
+def test_min_cut_gain_skips_prefill_captures_that_save_only_a_few_tokens() -> None:
+    """Engine cost of the chunk-cut path: a capture inside the prefill fewer than ``min_cut_gain``
+    tokens after the resume point (or the previous capture) is not worth its extra forward."""
+
+    def plan(gain: int) -> list[int]:
+        c = HybridCache("lru", budget_bytes=10**12, cost=COST, min_cut_gain=gain)
+        c.insert(np.arange(1000, dtype=np.int32), None, {1000: 1, 900: 2})
+        m = c.match(np.concatenate([np.arange(980), [7, 7, 7]]).astype(np.int32))  # diverges at 980
+        assert m.resume_depth == 900
+        return c.capture_plan(m, 983, 1010)
+
+    assert plan(0) == [960, 1010]  # Marconi: branch point + last token
+    assert plan(60) == [960, 1010]  # the branch point saves 60 tokens per hit over the resume point
+    assert plan(61) == [1010]  # not enough; the state after the last token is never a cut
+    with pytest.raises(ValueError, match="min_cut_gain"):
+        HybridCache("lru", budget_bytes=10**12, cost=COST, min_cut_gain=-1)
+
+
 def _prompt_stream(
     rng: np.random.Generator, prompts: int, repeats: int
 ) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -150,7 +150,7 @@ def _dump(t: RadixTree) -> list:
 
 @pytest.mark.parametrize("where", [0, 1, 15, 16, 17, 100, 16_383, 16_384, 16_385, 32_768, 39_999, None])
 def test_lcp_chunked_matches_naive(where):
-    from sglang_sparse.tree.radix import _LCP_HEAD, _lcp
+    from sglang_sparse.tree.radix import _LCP_HEAD, _lcp, _lcp_near, _lcp_numpy
 
     rng = np.random.default_rng(0)
     key = rng.integers(0, 2**31 - 1, size=40_000, dtype=np.int32)
@@ -158,13 +158,14 @@ def test_lcp_chunked_matches_naive(where):
     if where is not None:
         toks[7 + where] ^= 1
     expect = 40_000 if where is None else where
-    assert _lcp(key, toks, 7) == expect
-    assert _lcp(key, toks, 7, 0, _LCP_HEAD) == expect
-    s = 5
-    assert _lcp(key, toks, 7 + s, s) == max(expect - s, 0) if expect >= s else True
-    assert _lcp(key[:10], toks, 7) == min(10, expect)
-    assert _lcp(key, toks[: 7 + 3], 7) == min(3, expect)
-    assert _lcp(key, toks, len(toks)) == 0
+    for f in (_lcp, _lcp_near, _lcp_numpy, lambda *a: _lcp_numpy(*a, first=_LCP_HEAD)):
+        assert f(key, toks, 7) == expect
+        assert f(key, toks, 7, 0) == expect
+        s = 5
+        assert f(key, toks, 7 + s, s) == max(expect - s, 0) if expect >= s else True
+        assert f(key[:10], toks, 7) == min(10, expect)
+        assert f(key, toks[: 7 + 3], 7) == min(3, expect)
+        assert f(key, toks, len(toks)) == 0
 
 
 def test_as_tokens_fast_paths_and_validation():
@@ -330,3 +331,26 @@ def test_eviction_index_tracks_leaves_locks_and_recency():
         t.drop_leaf(leaf)
     assert t.num_nodes == 0 and not t.evictable_leaves and list(t.iter_lru_leaves()) == []
     t.check()
+
+
+def test_split_at_and_truncate_are_exact_and_validated() -> None:
+    t = RadixTree(2, 10)
+    t.insert(list(range(100)), None, {30: "a", 60: "b", 100: "c"})
+    leaf = t.match(list(range(100))).node
+    up = t.split_at(leaf, 40)
+    assert (up.start, up.end, leaf.start, leaf.end) == (0, 40, 40, 100)
+    assert list(up.checkpoints) == [30] and list(leaf.checkpoints) == [60, 100]
+    assert t.bytes_used == 100 * 2 + 3 * 10
+    t.check()
+    freed, top = t.truncate(leaf, 70)
+    assert top.end == 70 and not top.children and list(top.checkpoints) == [60]
+    assert freed.states == ["c"] and freed.kv_tokens == 30 and freed.bytes == 30 * 2 + 10
+    assert t.bytes_used == 70 * 2 + 2 * 10 and t.match(list(range(100))).kv_depth == 70
+    t.check()
+    with pytest.raises(ValueError, match="strictly inside"):
+        t.split_at(top, 70)
+    with pytest.raises(ValueError, match="not a live leaf"):
+        t.truncate(up, 20)  # has a child
+    t.lock(top)
+    with pytest.raises(ValueError, match="locked"):
+        t.truncate(top, 50)

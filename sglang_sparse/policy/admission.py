@@ -16,7 +16,9 @@ output tokens; positions ``<= len(input)`` are captured during prefill, deeper o
   learned :class:`~sglang_sparse.policy.tail_prior.TailPrior` chooses on the new leaf
   ``(kv_depth, total_len]`` (which includes the last-token state only when requests do continue
   leaves at their end). Until the prior has ``warmup`` observations it admits the last token as
-  Marconi does.
+  Marconi does. Planned positions shallower than one grid step are not captured: such a state
+  saves fewer than ``grid`` tokens per hit (e.g. a short chat-template header every request shares)
+  for the bytes of a whole state, and being used by every request it would never age out.
 """
 
 from __future__ import annotations
@@ -69,11 +71,12 @@ def capture_positions(
         b = marconi_branch_point(match, input_len, grid)
         if b is not None:
             pos.add(b)
-        pos.update(tree.planned_captures(match))
+        learned = set(tree.planned_captures(match))
         if tail.observations < warmup:
             pos.add(total_len)
         else:
-            pos.update(tail.positions(match.kv_depth, total_len, tail_budget))
+            learned.update(tail.positions(match.kv_depth, total_len, tail_budget))
+        pos.update(p for p in learned if p >= grid or p == total_len)
     else:
         if total_len > 0:
             pos.add(total_len)

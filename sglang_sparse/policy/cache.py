@@ -50,6 +50,7 @@ class HybridCache:
         refresh: int = 10,
         plan_budget: int = 4,
         grid: int = DEFAULT_GRID,
+        min_cut_gain: int = 0,
     ) -> None:
         self.spec = get_policy(policy)
         if cost is not None:
@@ -80,8 +81,18 @@ class HybridCache:
             law_provider=law_provider,
         )
         self.grid = grid
+        if min_cut_gain < 0:
+            raise ValueError(f"min_cut_gain must be >= 0, got {min_cut_gain}")
+        #: engine cost model of captures inside a prefill (tokens); see :meth:`capture_plan`
+        self.min_cut_gain = int(min_cut_gain)
         self.tail = TailPrior(gamma, grid=grid)
-        self.evictor = Evictor(self.tree, self.spec.eviction, cost, alpha if self.spec.flop_aware else 0.0)
+        self.evictor = Evictor(
+            self.tree,
+            self.spec.eviction,
+            cost,
+            alpha if self.spec.flop_aware else 0.0,
+            capacity_bytes=self.budget_bytes,
+        )
 
     # ------------------------------------------------------------------ knobs
 
@@ -118,9 +129,15 @@ class HybridCache:
     def capture_plan(self, match: MatchResult, input_len: int, total_len: int | None = None) -> list[int]:
         """Positions in ``(match.resume_depth, total_len]`` whose recurrent state the engine should
         capture: ``<= input_len`` during prefill, deeper ones during decode (``total_len`` defaults
-        to ``input_len``)."""
+        to ``input_len``).
+
+        ``min_cut_gain`` (engine cost, tokens; 0 = captures are free, as with a capture kernel):
+        a position inside the prefill (``< input_len``) is dropped when it lies fewer than
+        ``min_cut_gain`` tokens after the resume depth or the previous kept position. An engine that
+        captures states only at prefill-chunk ends (SGLang's ``no_buffer`` path) pays one extra
+        forward pass per such position, more than the few tokens it would save per hit."""
         total = input_len if total_len is None else total_len
-        return capture_positions(
+        pos = capture_positions(
             self.spec.admission,
             self.tree,
             match,
@@ -130,6 +147,15 @@ class HybridCache:
             block=self.spec.block,
             tail=self.tail,
         )
+        if self.min_cut_gain <= 0:
+            return pos
+        kept, prev = [], match.resume_depth
+        for p in pos:
+            if p < input_len and p - prev < self.min_cut_gain:
+                continue
+            kept.append(p)
+            prev = p
+        return kept
 
     def insert(
         self,

@@ -14,8 +14,9 @@ sparse_dp      DP plan + last token                   LRU (leaves, node states, 
                                                       by their own recency)
 sparse         DP plan on the path + Marconi branch   per component (leaves whole, every state by its
                point + learned tail prior on the new  own recency as a resume point) + alpha *
-               leaf (last token only if requests      FLOPs/byte, alpha tuned by warm replay
-               continue leaves)
+               leaf (last token only if requests      FLOPs/byte, alpha tuned by warm replay;
+               continue leaves); no learned position  states that cannot fit with their prefix go
+               shallower than one grid step           first
 sparse_law     DP plan + Marconi                      recency + alpha * law-weighted FLOPs/byte,
                                                       thins interior checkpoints (experimental)
 oracle         as sparse, per-edge law = the whole    as sparse (simulator only: needs a law
@@ -49,7 +50,9 @@ _MARCONI_EVICT = EvictionConfig(node_states=True, ckpt_scope="none", ckpt_recenc
 # traces: node-level recency keeps obsolete interior states of live agent sessions (every turn walks
 # their path), and letting the tuner switch granularity per window was unstable (agent at 20% of the
 # footprint: 0.29 vs 0.46 token hit rate), so the granularity is fixed.
-_SPARSE_EVICT = EvictionConfig(node_states=False, ckpt_scope="all", ckpt_recency="own", value="marconi")
+_SPARSE_EVICT = EvictionConfig(
+    node_states=False, ckpt_scope="all", ckpt_recency="own", value="marconi", drop_unservable=True
+)
 SPARSE_LAW_EVICT = EvictionConfig(node_states=True, ckpt_scope="interior", ckpt_recency="own", value="law")
 
 POLICIES: dict[str, PolicySpec] = {

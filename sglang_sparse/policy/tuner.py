@@ -2,9 +2,12 @@
 
 The tuner replays a bootstrap window of recent requests once per alpha of a grid, in parallel with
 a :class:`concurrent.futures.ProcessPoolExecutor`, and keeps the alpha with the best score
-(FLOPs saved by default; ties go to the earlier grid entry). Results are collected in grid order
-(``Executor.map``), so the choice never depends on process completion order. It asks to re-tune when
-the hit rate of the current window drifts from the one measured right after the last tuning.
+(FLOPs saved by default). Ties keep the alpha in use (``current``) when it is on the grid, otherwise
+they go to the earlier grid entry: on a window where several alphas evict the same items the replay
+says nothing about them, and switching would only lose what the current alpha was chosen for.
+Results are collected in grid order (``Executor.map``), so the choice never depends on process
+completion order. It asks to re-tune when the hit rate of the current window drifts from the one
+measured right after the last tuning.
 
 The replay itself is supplied by the caller as a picklable ``evaluate(alpha) -> score`` (the
 simulator provides one; an engine adapter can pass the same function over its logged requests), so
@@ -39,14 +42,21 @@ class AlphaTuner:
         self.reference_hit_rate: float | None = None
         self.history: list[tuple[int, float, tuple[float, ...]]] = []
 
-    def tune(self, evaluate: Callable[[float], float], at_request: int = 0) -> float:
-        """Score every alpha of the grid with ``evaluate`` and return the best (first on ties)."""
+    def tune(
+        self, evaluate: Callable[[float], float], at_request: int = 0, current: float | None = None
+    ) -> float:
+        """Score every alpha of the grid with ``evaluate`` and return the best (on ties ``current``
+        if it is on the grid, else the first)."""
         if self.workers == 1 or len(self.grid) == 1:
             scores = [evaluate(a) for a in self.grid]
         else:
             with ProcessPoolExecutor(max_workers=min(self.workers, len(self.grid))) as pool:
                 scores = list(pool.map(evaluate, self.grid))
         best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+        if current is not None and float(current) in self.grid:
+            i = self.grid.index(float(current))
+            if scores[i] >= scores[best]:
+                best = i
         self.history.append((at_request, self.grid[best], tuple(scores)))
         self.reference_hit_rate = None
         return self.grid[best]

@@ -5,6 +5,8 @@
 * :class:`SparseMambaComponent` -- ``MambaComponent`` with policy admission
   (``prepare_for_caching_req`` returns 0 for an unplanned mid-request checkpoint) and a policy
   eviction order (``_evict_device_*``), keeping SGLang's leaf-vs-tombstone semantics.
+* :class:`SparseFullComponent` -- ``FullComponent`` whose KV-leaf eviction walk follows the
+  policy: a leaf holding a state by that state's policy score, a leaf without one first.
 * :func:`sparse_prefill_adder_class` -- ``PrefillAdder`` subclass that ends prefill chunks at the
   planned capture positions; with ``--mamba-radix-cache-strategy no_buffer`` SGLang checkpoints
   the exact recurrent state at every chunk end.
@@ -20,6 +22,7 @@ import logging
 from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType, EvictLayer
+from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -138,6 +141,45 @@ class SparseMambaComponent(MambaComponent):
             return super()._evict_device_end()
         self._sparse_order = iter(())
         self._evict_device_cursor = None
+
+
+class SparseFullComponent(FullComponent):
+    """KV component whose device-eviction walk (KV pool short) takes leaves in the policy's order.
+
+    Key of a leaf: the policy score of the recurrent state it holds (the shadow scores every state
+    handle, i.e. SGLang node id, exactly as the simulator's :class:`Evictor` would); a leaf without
+    a state comes first (no request can resume inside it, its KV is dead weight); ties and states
+    the policy does not score keep SGLang's priority (LRU by default) after the scored ones.
+    Parents exposed during the walk are keyed the same way. With sessions or HiCache enabled the
+    walk is SGLang's own."""
+
+    def _policy_walk(self) -> bool:
+        return not self.tree_core.enable_session_radix_cache and not self.tree_core.enable_hicache
+
+    def _evict_device_start(self, request_cnt: int) -> None:
+        if not self._policy_walk():
+            return super()._evict_device_start(request_cnt)
+        self._ensure_eviction_strategy()
+        base = self.tree_core.eviction_strategy.get_priority
+        scores = self.cache.shadow.state_scores()
+        self.cache.shadow.stats.kv_eviction_walks += 1
+        mamba = ComponentType.MAMBA
+
+        def key(n):
+            if n.component_data[mamba].value is None:
+                rank = (0, 0.0)  # dead KV: nothing can resume inside it
+            else:
+                sc = scores.get(n.id)
+                rank = (1, sc) if sc is not None else (2, 0.0)
+            return rank, base(n), n.id
+
+        self.session_ref_eviction_strategy = key
+        super()._evict_device_start(request_cnt)
+
+    def _evict_device_end(self) -> None:
+        super()._evict_device_end()
+        if self._policy_walk():
+            self.session_ref_eviction_strategy = None  # _ensure_eviction_strategy restores SGLang's
 
 
 class SparseRadixCache(UnifiedRadixCache):

@@ -21,6 +21,10 @@ variable (JSON key)                default    meaning
                                                must be 0/auto for non-FLOP-aware policies
 ``SGLANG_SPARSE_GRID``              64         chunk grid of candidate positions (int >= 1)
 (``grid``)
+``SGLANG_SPARSE_MIN_CUT_GAIN``      32         engine cost of a capture inside a prefill, in tokens: a
+(``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
+                                               the resume point or the previous capture (each one costs an
+                                               extra forward on the chunk-cut path; 0 = capture them all)
 ``SGLANG_SPARSE_TUNE_WINDOW``       200        requests per alpha-tuning window (int >= 1)
 (``tune_window``)
 ``SGLANG_SPARSE_LOG_EVERY``         100        log a stats line every N finished requests (0: off)
@@ -57,6 +61,7 @@ class SparseConfig:
     refresh: int = 10
     alpha: float | None = None  # None = "auto"
     grid: int = 64
+    min_cut_gain: int = 32
     tune_window: int = 200
     log_every: int = 100
 
@@ -185,6 +190,7 @@ _PARSERS = {
     "refresh": lambda s, v: _int(s, v, 1),
     "alpha": _alpha,
     "grid": lambda s, v: _int(s, v, 1),
+    "min_cut_gain": lambda s, v: _int(s, v, 0),
     "tune_window": lambda s, v: _int(s, v, 1),
     "log_every": lambda s, v: _int(s, v, 0),
 }

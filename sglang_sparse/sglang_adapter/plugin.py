@@ -6,7 +6,7 @@
     sparse = "sglang_sparse.sglang_adapter.plugin:register"
 
 SGLang calls :func:`register` (no arguments) in every process it starts (launcher, tokenizer,
-scheduler, detokenizer). It registers the backend factory and two hooks; this module imports
+scheduler, detokenizer). It registers the backend factory and three hooks; this module imports
 nothing from SGLang at top level (the heavy classes live in :mod:`.cache`, imported by the factory,
 which runs only in the scheduler).
 
@@ -27,6 +27,7 @@ _ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class
 _STATE_TARGET = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_env_vars"
 )
+_EXTRA_BUFFER_TARGET = "sglang.srt.arg_groups.overrides.supports_mamba_cache_extra_buffer"
 _registered = False
 
 
@@ -44,7 +45,20 @@ def register() -> None:
         pass
     HookRegistry.register(_ADDER_TARGET, _adder_class_hook, HookType.AROUND)
     HookRegistry.register(_STATE_TARGET, _internal_state_hook, HookType.AFTER)
+    HookRegistry.register(_EXTRA_BUFFER_TARGET, _extra_buffer_hook, HookType.AROUND)
     _registered = True
+
+
+def _extra_buffer_hook(original_fn, view, hf_config, *args, **kwargs):
+    """One flag on GPUs too: SGLang resolves ``--mamba-radix-cache-strategy auto`` (the default) to
+    ``extra_buffer`` when the overlap schedule is on and the model supports it, and to ``no_buffer``
+    (plus ``disable_overlap_schedule``) otherwise. The ``sparse`` backend captures states by cutting
+    prefill chunks, which needs ``no_buffer``, so for it the model reports no extra-buffer support
+    and ``auto`` resolves to ``no_buffer``. An explicit ``extra_buffer`` is still rejected (by
+    SGLang's own validation, or by :func:`sparse_cache_factory`)."""
+    if getattr(view, "radix_cache_backend", None) == BACKEND_NAME:
+        return False
+    return original_fn(view, hf_config, *args, **kwargs)
 
 
 def _adder_class_hook(original_fn, self, *args, **kwargs):
@@ -87,7 +101,7 @@ def sparse_cache_factory(ctx: Any):
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.runtime_context import get_memory, get_serving
 
-    from .cache import SparseMambaComponent, SparseRadixCache
+    from .cache import SparseFullComponent, SparseMambaComponent, SparseRadixCache
     from .config import SparseConfig
     from .shadow import PolicyShadow
 
@@ -145,6 +159,7 @@ def sparse_cache_factory(ctx: Any):
     p.component_registry_override = {
         **(p.component_registry_override or {}),
         ComponentType.MAMBA: SparseMambaComponent,
+        ComponentType.FULL: SparseFullComponent,
     }
     p.tree_core_backend = "python"  # component hooks only run under the Python tree core
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ class ShadowStats:
     states_evicted: int = 0
     kv_leaves_evicted: int = 0
     eviction_walks: int = 0
+    kv_eviction_walks: int = 0
     unscored_evictions: int = 0
     alpha_tunes: list[tuple[int, float]] = field(default_factory=list)
 
@@ -115,6 +117,7 @@ class PolicyShadow:
             refresh=self.config.refresh,
             plan_budget=self.config.edge_budget,
             grid=self.config.grid,
+            min_cut_gain=self.config.min_cut_gain,
         )
         if self.spec.flop_aware:
             cache.alpha = self.config.alpha if self.config.alpha is not None else 0.0
@@ -244,7 +247,7 @@ class PolicyShadow:
         if node.end == start:
             child = node.children.get(int(first_token))
         elif int(node.key[start - node.start]) == int(first_token):
-            tree._split(node, start - node.start)  # noqa: SLF001 - no public truncate in RadixTree
+            tree.split_at(node, start)
             child = node  # the lower half keeps the object
         else:
             child = None
@@ -275,26 +278,15 @@ class PolicyShadow:
 
         Exactly the policy's :class:`Evictor` scoring: its candidates (leaf, single-child node
         states, single checkpoints per its config), ``recency + alpha * efficiency`` min-max
-        normalised over the candidates present now. A checkpoint covered by several candidates
+        normalised over the candidates present now; ``-inf`` for a candidate the policy evicts
+        before every servable one (``drop_unservable``). A checkpoint covered by several candidates
         gets the lowest score. Checkpoints the policy does not offer (e.g. states at branch points
         under Marconi) get no score.
         """
-        ev = self.cache.evictor
-        raw = []
-        for kind, node, pos in ev.candidates():
-            c = ev._candidate(kind, node, pos)  # noqa: SLF001 - see docs/sparse_backend.md
-            if c is not None:
-                raw.append((kind, node, pos, c))
-        if not raw:
-            return {}
-        rs = [c[0] for *_, c in raw]
-        vs = [c[1] for *_, c in raw]
-        rmin, rspan = min(rs), (max(rs) - min(rs)) or 1.0
-        vmin, vspan = min(vs), (max(vs) - min(vs)) or 1.0
-        alpha = ev.alpha
         out: dict[Any, float] = {}
-        for kind, node, pos, c in raw:
-            s = (c[0] - rmin) / rspan + alpha * (c[1] - vmin) / vspan
+        for kind, node, pos, s, unservable in self.cache.evictor.scores():
+            if unservable:
+                s = -math.inf
             if kind in (LEAF, NODE_STATES):
                 handles: Iterable[Any] = node.checkpoints.values()
             elif kind == CKPT:
@@ -359,7 +351,11 @@ class PolicyShadow:
             a = np.asarray(inp, dtype=np.int32)
             window.append((a, np.concatenate([a, np.asarray(out, dtype=np.int32)])))
         evaluate = functools.partial(warm_replay_score, self._snapshot, window, self.cost)
-        a = self.tuner.tune(evaluate, at_request=self.stats.finished)
+        a = self.tuner.tune(
+            evaluate,
+            at_request=self.stats.finished,
+            current=self.cache.alpha if self.stats.alpha_tunes else None,
+        )
         self.cache.alpha = a
         self.stats.alpha_tunes.append((self.stats.finished, a))
         self._since_tune = 0
@@ -388,6 +384,7 @@ class PolicyShadow:
             "states_evicted": s.states_evicted,
             "kv_leaves_evicted": s.kv_leaves_evicted,
             "eviction_walks": s.eviction_walks,
+            "kv_eviction_walks": s.kv_eviction_walks,
             "unscored_evictions": s.unscored_evictions,
             "shadow_states": tree.num_states,
             "shadow_kv_tokens": tree.kv_tokens,

@@ -163,7 +163,7 @@ def simulate(
             if not res.alphas or tuner.should_retune(hr):
                 lo = max(0, i + 1 - window)
                 evaluate = functools.partial(warm_replay_score, snapshot, prepared[lo : i + 1], cost)
-                a = tuner.tune(evaluate, at_request=i + 1)
+                a = tuner.tune(evaluate, at_request=i + 1, current=cache.alpha if res.alphas else None)
                 cache.alpha = a
                 res.alphas.append((i + 1, a))
             since_tune = 0

@@ -14,12 +14,15 @@ The tree is the *mechanism*; which checkpoints to capture and what to evict is d
 * Eviction primitives (:meth:`drop_checkpoint`, :meth:`drop_leaf`, :meth:`merge_with_child`) return
   the freed handles; the policy layer orders them.
 
-Hot paths (a 32k-token prompt in a ~10k-node tree): :meth:`match` compares each edge with one
-chunked LCP routine (:func:`_lcp`); :meth:`insert` accepts the :class:`MatchResult` of the same
-request as ``hint`` and resumes from its end instead of re-walking the path (validated by node
-versions, so a stale hint silently falls back to a full walk). An LRU-ordered heap of evictable
-leaves and the sets :attr:`RadixTree.evictable_leaves` / :attr:`RadixTree.evictable_ckpt_nodes` are
-maintained incrementally (O(log n) per change) so an evictor does not enumerate every node.
+Hot paths (a 32k-token prompt in a ~10k-node tree): :meth:`match` is one call of the descent
+``_walk`` (C in ``_lcp_native`` when built at install time, else :func:`_walk_py`), which compares
+each edge once with a longest-common-prefix routine (``_lcp``: C ``memcmp`` blocks, else the chunked
+numpy :func:`_lcp_numpy`; every token is compared exactly, no hashing). :meth:`insert` accepts the
+:class:`MatchResult` of the same request as ``hint`` and resumes from its end instead of re-walking
+the path (validated by node versions, so a stale hint silently falls back to a full walk). An
+LRU-ordered heap of evictable leaves and the sets :attr:`RadixTree.evictable_leaves` /
+:attr:`RadixTree.evictable_ckpt_nodes` are maintained incrementally (O(log n) per change) so an
+evictor does not enumerate every node.
 
 Units: depths/positions/lengths in **tokens** (absolute from the root), memory in **bytes**. The tree
 holds ``kv_tokens * kv_bytes_per_token + num_states * state_bytes`` bytes (:attr:`bytes_used`).
@@ -34,7 +37,6 @@ ancestor's DP then puts a checkpoint, making the assumption true for its childre
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -47,6 +49,7 @@ from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram, grid_candidate
 from .node import EMPTY_KEY, Node
 
 Tokens = Sequence[int] | np.ndarray
+_INT32 = np.dtype(np.int32)  # the canonical int32 descriptor (an identity check is ~4x cheaper than ==)
 
 
 def as_tokens(tokens: Tokens) -> np.ndarray:
@@ -57,7 +60,11 @@ def as_tokens(tokens: Tokens) -> np.ndarray:
     ~15 ns per token is the floor of unboxing Python ints). Buffers (``array('q')``, int ndarrays) are
     cast without a Python loop.
     """
-    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1:
+    if (
+        type(tokens) is np.ndarray
+        and (tokens.dtype is _INT32 or tokens.dtype == np.int32)
+        and tokens.ndim == 1
+    ):
         return tokens
     if isinstance(tokens, list | tuple) and tokens and type(tokens[0]) is int:
         try:
@@ -74,17 +81,19 @@ def as_tokens(tokens: Tokens) -> np.ndarray:
     return arr
 
 
-_LCP_HEAD = 16  # first window when a divergence right at the start is likely (hint resumption)
-_LCP_CHUNK = 16_384  # window size otherwise (bounds the temporary bool array to 16 KiB)
+_LCP_HEAD = 16  # numpy fallback: first window when a divergence right at the start is likely
+_LCP_CHUNK = 16_384  # numpy fallback: window size otherwise (bounds the bool temporary to 16 KiB)
 
 
-def _lcp(key: np.ndarray, tokens: np.ndarray, offset: int, start: int = 0, first: int = _LCP_CHUNK) -> int:
-    """Length of the common prefix of ``key[start:]`` and ``tokens[offset:]`` (int32 arrays).
+def _lcp_numpy(
+    key: np.ndarray, tokens: np.ndarray, offset: int, start: int = 0, first: int = _LCP_CHUNK
+) -> int:
+    """Length of the common prefix of ``key[start:]`` and ``tokens[offset:]`` (int32 arrays; tokens).
 
-    One routine for match, insert and hint resumption: compares a first window of ``first`` tokens,
-    then windows of ``_LCP_CHUNK`` tokens with numpy (``!=`` + short-circuiting bool ``argmax``,
-    ~0.25 ns/token hot + ~1 us per window), stopping at the first window with a difference. A full
-    match costs one pass over ``len(key)`` tokens and never allocates more than 16 KiB.
+    Pure-numpy fallback of the C routine ``_lcp_native.lcp`` (identical results): compares a first
+    window of ``first`` tokens, then windows of ``_LCP_CHUNK`` tokens (``!=`` + short-circuiting bool
+    ``argmax``, ~0.25 ns/token hot + ~1 us per window), stopping at the first window with a
+    difference. A full match costs one pass over ``len(key)`` tokens and allocates at most 16 KiB.
     """
     m = min(len(key) - start, len(tokens) - offset)
     i, step = 0, first
@@ -98,6 +107,69 @@ def _lcp(key: np.ndarray, tokens: np.ndarray, offset: int, start: int = 0, first
             return i + k
         i, step = j, _LCP_CHUNK
     return max(m, 0)
+
+
+try:  # built by ``pip install`` (setup.py); optional
+    from ._lcp_native import lcp as _lcp_c
+    from ._lcp_native import walk as _walk_c
+except ImportError:  # no C compiler at install time: the numpy fallbacks give the same results
+    _lcp_c = _walk_c = None
+
+HAVE_NATIVE_LCP = _lcp_c is not None
+"""True when the C routines of ``_lcp_native`` (LCP and the match descent) were built at install time."""
+
+# ``_lcp(key, tokens, offset, start=0)``: length of the common prefix of ``key[start:]`` and
+# ``tokens[offset:]`` (1-D int32 arrays, ``offset, start >= 0``; 0 when either side is empty or out of
+# range). The C routine when built (~0.1 us per call + ~0.1 ns/token hot; memory-bound when cold),
+# else :func:`_lcp_numpy`. ``_lcp_near`` is the same, tuned for a divergence within the first tokens
+# (hint resumption); the C routine always scans its first 16 tokens element-wise.
+if _lcp_c is not None:
+    _lcp = _lcp_near = _lcp_c
+else:
+
+    def _lcp(key: np.ndarray, tokens: np.ndarray, offset: int, start: int = 0) -> int:
+        return _lcp_numpy(key, tokens, offset, start)
+
+    def _lcp_near(key: np.ndarray, tokens: np.ndarray, offset: int, start: int = 0) -> int:
+        return _lcp_numpy(key, tokens, offset, start, _LCP_HEAD)
+
+
+def _walk_py(
+    children: dict[int, Node], t: np.ndarray, d: int
+) -> tuple[int, tuple[Node, ...], tuple[int, ...]]:
+    """The pure descent of :meth:`RadixTree.match` from ``children`` at token index ``d`` (numpy).
+
+    Follows the child keyed by ``t[d]`` and adds the common-prefix length of its key and ``t[d:]`` to
+    ``d`` while edges match fully. Returns ``(d, path, versions)``: the matched depth (tokens), the
+    visited nodes in order (the last one may be matched partially) and their ``version``. Python twin
+    of ``_lcp_native.walk`` (identical results), used when the extension was not built.
+    """
+    path: list[Node] = []
+    n = len(t)
+    while d < n:
+        child = children.get(t.item(d))
+        if child is None:
+            break
+        key = child.key
+        m = len(key)
+        if m <= _LCP_CHUNK and m <= n - d:  # one window: _lcp_numpy inlined (~0.5 us less per edge)
+            neq = key != t[d : d + m]
+            k = int(neq.argmax())
+            if not neq[k]:
+                k = m
+        else:
+            k = _lcp_numpy(key, t, d)
+        path.append(child)
+        d += k
+        if k < m:
+            break
+        children = child.children
+    return d, tuple(path), tuple([p.version for p in path])
+
+
+_walk: Callable[[dict[int, Node], np.ndarray, int], tuple[int, tuple[Node, ...], tuple[int, ...]]] = (
+    _walk_c if _walk_c is not None else _walk_py
+)
 
 
 def _same_prefix(a: np.ndarray, b: np.ndarray, n: int) -> bool:
@@ -335,39 +407,32 @@ class RadixTree:
     # ------------------------------------------------------------------ match (pure)
 
     def match(self, tokens: Tokens) -> MatchResult:
-        """Longest cached prefix of ``tokens`` and the deepest checkpoint at or before it. Pure."""
+        """Longest cached prefix of ``tokens`` and the deepest checkpoint at or before it. Pure.
+
+        Cost: one descent ``_walk`` comparing each token of the matched prefix exactly once (for a
+        32k-token prompt ~256 KB of reads, memory-bound when cold) plus ~2 us of Python per call.
+        """
         t = as_tokens(tokens)
-        n = len(t)
-        d = 0
-        path: list[Node] = []
-        versions: list[int] = []
+        d, path, versions = _walk(self.root.children, t, 0)
+        # Deepest checkpoint <= d: on the last edge one at or before d; on any earlier edge (fully
+        # matched, so all its checkpoints are <= d) its deepest one; the last such edge wins.
         ck_node, ck_pos, ck_handle = None, 0, None
-        children = self.root.children
-        while d < n:
-            child = children.get(t.item(d))
-            if child is None:
-                break
-            key = child.key
-            m = len(key)
-            if m <= _LCP_CHUNK and m <= n - d:  # one window: _lcp inlined (saves ~0.5 us per edge)
-                neq = key != t[d : d + m]
-                k = int(neq.argmax())
-                if not neq[k]:
-                    k = m
-            else:
-                k = _lcp(key, t, d)
-            path.append(child)
-            versions.append(child.version)
-            d += k
-            if child.checkpoints:
-                hit = child.deepest_checkpoint_at_or_before(d)
+        if path:
+            last = path[-1]
+            if last.checkpoints:
+                hit = last.deepest_checkpoint_at_or_before(d)
                 if hit is not None:
-                    ck_node, (ck_pos, ck_handle) = child, hit
-            if k < len(key):
-                break
-            children = child.children
-        last = path[-1] if path else self.root
-        return _make_match(d, ck_pos, last, ck_node, ck_handle, tuple(path), t, tuple(versions))
+                    ck_node, (ck_pos, ck_handle) = last, hit
+            if ck_node is None:
+                for i in range(len(path) - 2, -1, -1):
+                    ck = path[i].checkpoints
+                    if ck:
+                        ck_node = path[i]
+                        ck_pos, ck_handle = ck.peekitem(-1)
+                        break
+        else:
+            last = self.root
+        return _make_match(d, ck_pos, last, ck_node, ck_handle, path, t, versions)
 
     def kv_handles(self, match: MatchResult, depth: int | None = None) -> list[Any]:
         """Per-edge KV handles covering tokens ``[0, depth)`` of a match (default ``resume_depth``)."""
@@ -533,42 +598,46 @@ class RadixTree:
         for p in checkpoints:
             if not 0 < p <= n:
                 raise ValueError(f"checkpoint position {p} outside (0, {n}]")
-        now = self.tick()
+        self.clock = now = self.clock + 1  # self.tick(), inlined
         node, d = self.root, 0
         path: list[Node] = []
         split: Node | None = None
         if hint is not None and self._hint_valid(hint, t):
             d = hint.kv_depth
-            path = list(hint.path)
-            for p in path[:-1]:
-                p.last_access = now
-            if path:
+            if hint.path:
+                path = list(hint.path)
                 node = path[-1]
+                for p in path[:-1]:
+                    p.last_access = now
                 k0 = d - node.start
                 if k0 < len(node.key):  # the match ended inside this edge
                     # It diverged at d, so t does too if it agrees with the matched tokens there;
                     # otherwise (the matched sequence ended at d, or t differs) compare on.
                     ht = hint.tokens
-                    if d < n and (ht is t or (d < len(ht) and ht[d] == t[d])):
+                    if d < n and (ht is t or (d < len(ht) and ht.item(d) == t.item(d))):
                         k = k0
                     else:
-                        k = k0 + _lcp(node.key, t, d, k0, _LCP_HEAD)
+                        k = k0 + _lcp_near(node.key, t, d, k0)
                     d = node.start + k
                     if k < len(node.key):  # split: the lower part keeps its recency (as in the walk)
                         node = split = self._split(node, k)
                         path[-1] = node
                 node.last_access = now
-        while d < n:
-            child = node.children.get(t.item(d))
-            if child is None:
-                break
-            k = _lcp(child.key, t, d)
-            if k < len(child.key):
-                child = split = self._split(child, k)
-            child.last_access = now
-            path.append(child)
-            d += k
-            node = child
+        # Descend below ``node`` (the whole walk without a hint), except after a split of the hinted
+        # edge: its lower part starts with ``key[k] != t[d]``, so the walk would stop at once.
+        if d < n and split is None:
+            d, below, _ = _walk(node.children, t, d)
+            if below:
+                node = below[-1]
+                k = d - node.start
+                if k < len(node.key):  # split: the lower part keeps its recency
+                    node = split = self._split(node, k)
+                for p in below[:-1]:
+                    p.last_access = now
+                node.last_access = now
+                path.extend(below)
+                path[-1] = node
+        children = node.children
         if split is not None:
             self._sync_evictable(split)
             self._sync_evictable(next(iter(split.children.values())))
@@ -582,11 +651,13 @@ class RadixTree:
             dup, kv = self.kv_ops.split(kv, prefix_len - kv_offset)
             res.unused_kv.append(dup)
         if prefix_len < n:
-            leaf = Node(self._next_uid(), t[prefix_len:].copy(), prefix_len, node, kv, now)
-            node.children[t.item(prefix_len)] = leaf
-            self.leaves.discard(node)
-            self.leaves.add(leaf)
-            self.kv_tokens += leaf.num_tokens
+            self._uid = uid = self._uid + 1
+            leaf = Node(uid, t[prefix_len:].copy(), prefix_len, node, kv, now)
+            children[t.item(prefix_len)] = leaf
+            leaves = self.leaves
+            leaves.discard(node)
+            leaves.add(leaf)
+            self.kv_tokens += n - prefix_len
             self.num_nodes += 1
             path.append(leaf)
             res.node = leaf
@@ -596,19 +667,26 @@ class RadixTree:
                 self._sync_evictable(node)
             self.evictable_leaves.add(leaf)  # a fresh leaf is unlocked: index it directly
             leaf.heap_key = now
-            heapq.heappush(self._lru_heap, (now, leaf.uid, leaf))
-            if len(self._lru_heap) > 2 * len(self.evictable_leaves) + 64:
+            heap = self._lru_heap
+            heapq.heappush(heap, (now, uid, leaf))
+            if len(heap) > 2 * len(self.evictable_leaves) + 64:
                 self._compact_lru_heap()
         else:
             self._sync_evictable(node)  # an existing node whose recency changed
         if checkpoints:
-            ends = [p.start + len(p.key) for p in path]
+            # The holder of position p is the path node with start < p <= end (path edges are
+            # contiguous from 0 to n); checkpoints sit near the end, so scan from the deepest node.
+            last = len(path) - 1
             for p, h in sorted(checkpoints.items()) if len(checkpoints) > 1 else checkpoints.items():
-                holder = path[bisect.bisect_left(ends, p)]
-                if p in holder.checkpoints:
+                i = last
+                while path[i].start >= p:
+                    i -= 1
+                holder = path[i]
+                ck = holder.checkpoints
+                if p in ck:
                     res.unused_states.append(h)
                 else:
-                    holder.checkpoints[p] = h
+                    ck[p] = h
                     holder.ckpt_access[p] = now
                     self.num_states += 1
                     if holder.children and holder.lock_ref == 0:
@@ -624,11 +702,9 @@ class RadixTree:
         if path:
             if path[0].parent is not self.root:
                 return False
-            i = 0
-            for node in path:
-                if node.version != versions[i] or not node.alive:
+            for node, v in zip(path, versions, strict=True):
+                if node.version != v or not node.alive:
                     return False
-                i += 1
         elif hint.node is not self.root or d:
             return False
         return ht is t or _same_prefix(ht, t, d)
@@ -645,6 +721,30 @@ class RadixTree:
         if not node.checkpoints:
             self.evictable_ckpt_nodes.discard(node)
         return Freed(states=[h], bytes=self.state_bytes)
+
+    def split_at(self, node: Node, depth: int) -> Node:
+        """Split ``node``'s edge at absolute token depth ``depth`` (``node.start < depth < node.end``)
+        and return the new upper node; ``node`` keeps the lower part (its identity, children and the
+        checkpoints deeper than ``depth``). Frees nothing; bytes are unchanged."""
+        if node.parent is None or not node.alive:
+            raise ValueError(f"cannot split {node!r}")
+        if not node.start < depth < node.end:
+            raise ValueError(f"split depth {depth} not strictly inside edge ({node.start}, {node.end})")
+        up = self._split(node, depth - node.start)
+        self._sync_evictable(up)
+        self._sync_evictable(node)
+        return up
+
+    def truncate(self, leaf: Node, depth: int) -> tuple[Freed, Node]:
+        """Drop the part of unlocked ``leaf`` below absolute depth ``depth``: its KV and the
+        checkpoints deeper than ``depth`` (``leaf.start < depth < leaf.end``). Returns what was
+        freed and the surviving upper node (a leaf, ending at ``depth``)."""
+        if not leaf.alive or leaf.children:
+            raise ValueError(f"not a live leaf: {leaf!r}")
+        if leaf.lock_ref > 0:
+            raise ValueError(f"cannot truncate locked {leaf!r}")
+        up = self.split_at(leaf, depth)
+        return self.drop_leaf(leaf), up
 
     def drop_leaf(self, node: Node) -> Freed:
         """Remove an unlocked leaf: its KV and all its checkpoints."""

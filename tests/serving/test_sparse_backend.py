@@ -101,14 +101,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next_sparse"), arch="qwen3_next", seed=0)
 
 
-def _start(model_dir: Path, extra: list[str], env: dict | None = None) -> SGLangServer:
+def _start(
+    model_dir: Path,
+    extra: list[str],
+    env: dict | None = None,
+    *,
+    kv_tokens: int = KV_TOKENS,
+    state_slots: int = STATE_SLOTS,
+) -> SGLangServer:
     srv = SGLangServer(
         model_dir,
         extra_args=[*CHUNK, *extra],
         env=env,
         context_length=CONTEXT,
-        max_total_tokens=KV_TOKENS,
-        max_mamba_cache_size=STATE_SLOTS,
+        max_total_tokens=kv_tokens,
+        max_mamba_cache_size=state_slots,
     )
     try:
         srv.start(timeout=300)
@@ -232,6 +239,8 @@ def test_concurrent_storm_no_leak(storm_server: SGLangServer) -> None:
         "kv_tokens_held",
         "states_evicted",
         "kv_leaves_evicted",
+        "eviction_walks",
+        "kv_eviction_walks",
         "alpha",
         "alpha_tunes",
     )
@@ -251,6 +260,31 @@ def test_concurrent_storm_no_leak(storm_server: SGLangServer) -> None:
     assert s2["kv_available"] == s2["kv_pool_size"] >= start["kv_available"], (start, s2)
     assert s2["mamba_available"] == s2["mamba_pool_size"] >= start["mamba_available"], (start, s2)
     assert s2["states_held"] == 0 and s2["kv_tokens_held"] == 0
+
+
+def test_kv_pool_pressure_evicts_in_policy_order_exactly(model_dir: Path) -> None:
+    """A KV pool far smaller than the working set (and plenty of state slots): SGLang's KV walk
+    runs through :class:`SparseFullComponent`. Greedy tokens must not depend on what was evicted
+    (second pass == first pass), and every slot comes back after a flush."""
+    srv = _start(model_dir, ["--radix-cache-backend", "sparse"], kv_tokens=1200, state_slots=48)
+    try:
+        heads = [toks(180, 900 + k) for k in range(6)]
+        prompts = [heads[i % 6] + toks(20 + i % 5, 950 + i) for i in range(18)]
+        first = [srv.generate(p, NEW).output_ids for p in prompts]
+        second = [srv.generate(p, NEW) for p in prompts]
+        assert [r.output_ids for r in second] == first
+        s = _idle(srv)
+        print(
+            "kv pressure stats:", {k: s[k] for k in ("kv_eviction_walks", "kv_leaves_evicted", "states_held")}
+        )
+        assert s["kv_eviction_walks"] > 0, "the KV pool should have run short"
+        assert s["kv_tokens_held"] <= s["kv_pool_size"]
+        assert s["kv_available"] + s["kv_evictable"] == s["kv_pool_size"], s
+        assert srv.flush_cache()
+        s2 = _idle(srv)
+        assert s2["kv_available"] == s2["kv_pool_size"] and s2["mamba_available"] == s2["mamba_pool_size"]
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize(
@@ -286,6 +320,7 @@ def test_misconfiguration_fails_at_start(model_dir: Path, env: dict, message: st
         ({"SGLANG_SPARSE_ALPHA": "-0.5"}, "SGLANG_SPARSE_ALPHA='-0.5': must be >= 0 or 'auto'"),
         ({"SGLANG_SPARSE_ALPHA": "1", "SGLANG_SPARSE_POLICY": "lru"}, "not FLOP-aware"),
         ({"SGLANG_SPARSE_GRID": "0"}, "SGLANG_SPARSE_GRID='0': must be >= 1"),
+        ({"SGLANG_SPARSE_MIN_CUT_GAIN": "-3"}, "SGLANG_SPARSE_MIN_CUT_GAIN='-3': must be >= 0"),
         ({"SGLANG_SPARSE_POLICY": "oracle"}, "simulator only"),
         ({"SGLANG_SPARSE_POLCY": "lru"}, "unknown variable SGLANG_SPARSE_POLCY"),
         (
@@ -311,3 +346,50 @@ def test_config_sources(tmp_path: Path) -> None:
     cfg = SparseConfig.from_env({"SGLANG_SPARSE_CONFIG": str(f), "SGLANG_SPARSE_GAMMA": "0.95"})
     assert (cfg.policy, cfg.gamma, cfg.alpha) == ("marconi", 0.95, 0.5)  # env wins over JSON
     assert SparseConfig.from_env({}).alpha_auto
+    assert SparseConfig.from_env({}).min_cut_gain == 32
+    assert SparseConfig.from_env({"SGLANG_SPARSE_MIN_CUT_GAIN": "0"}).min_cut_gain == 0
+
+
+def test_auto_mamba_strategy_resolves_to_no_buffer_for_sparse() -> None:
+    """One flag on GPUs: with ``--radix-cache-backend sparse`` the model reports no extra-buffer
+    support, so SGLang's ``auto`` strategy resolves to ``no_buffer`` (what the backend needs);
+    other backends keep SGLang's answer. The hooked SGLang function must exist (upstream renames)."""
+    import pkgutil
+    from types import SimpleNamespace
+
+    from sglang_sparse.sglang_adapter import plugin
+
+    assert callable(pkgutil.resolve_name(plugin._EXTRA_BUFFER_TARGET))
+
+    def original(view, hf_config):
+        return True
+
+    assert plugin._extra_buffer_hook(original, SimpleNamespace(radix_cache_backend="sparse"), None) is False
+    assert plugin._extra_buffer_hook(original, SimpleNamespace(radix_cache_backend="radix"), None) is True
+    assert plugin._extra_buffer_hook(original, SimpleNamespace(), None) is True
+
+
+def test_one_flag_starts_with_no_buffer(model_dir: Path) -> None:
+    """``--radix-cache-backend sparse`` alone, without the CPU args' explicit
+    ``--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule``: SGLang's ``auto`` strategy
+    resolves to ``no_buffer`` with the overlap schedule off. (Without the plugin SGLang 0.5.23
+    resolves ``auto`` to ``extra_buffer`` here and the CPU server exits at start.)"""
+    from sglang_sparse.testing.server import CPU_SERVER_ARGS
+
+    drop = {"--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"}
+    srv = SGLangServer(
+        model_dir,
+        extra_args=[*CHUNK, "--radix-cache-backend", "sparse"],
+        base_args=[a for a in CPU_SERVER_ARGS if a not in drop],
+        context_length=CONTEXT,
+        max_total_tokens=KV_TOKENS,
+        max_mamba_cache_size=STATE_SLOTS,
+    )
+    try:
+        srv.start(timeout=300)
+        info = server_info(srv)
+        assert (info["radix_cache_backend"], info["mamba_radix_cache_strategy"]) == ("sparse", "no_buffer")
+        assert info["disable_overlap_schedule"] is True
+        assert len(srv.generate(toks(80, 7), NEW).output_ids) == NEW
+    finally:
+        srv.stop()

@@ -1,0 +1,465 @@
+"""Incremental candidate index of the :class:`~.eviction.Evictor` (exact, no tree hook needed).
+
+The evictor's specification (:class:`~.eviction_reference.ReferenceEvictor`) re-enumerates and
+re-scores every candidate at the start of each eviction round. This index keeps, for every live
+node of the tree, the raw terms of its candidates -- ``(recency, efficiency FLOPs/byte,
+unservable)`` exactly as ``Evictor._candidate`` computes them -- in dense numpy columns, and
+refreshes only the nodes that changed since the previous round. A round then costs a few
+vectorised passes over the columns (min/max, the normalised scores, one selection) instead of
+O(n) Python scoring.
+
+What a candidate's raw terms depend on (``node`` = the node holding it):
+
+* ``node`` itself: liveness, lock, children count, edge ``(start, end]``, checkpoint positions,
+  ``last_access``, ``ckpt_access``, its depth histogram (``value="law"``), its membership in the
+  tree's eviction index (``evictable_leaves`` / ``evictable_ckpt_nodes``);
+* the *inherited fallback* of its first checkpoint: the deepest checkpoint of the nearest ancestor
+  holding one (``tree.fallback_depth``). Each node caches ``down``, the fallback it passes to its
+  children (its deepest checkpoint, else its own inherited fallback); when a refreshed node's
+  ``down`` changes, its children are refreshed too (transitively, stopping where ``down`` is
+  unchanged).
+
+How changed nodes are found without a tree hook (:meth:`CandidateIndex.sync`), relying on these
+properties of :class:`~sglang_sparse.tree.RadixTree` (checked by the differential tests):
+
+1. nodes the evictor itself changes during a round are recorded (:meth:`CandidateIndex.touch`);
+2. ``insert`` and ``observe`` advance ``tree.clock`` and write ``last_access = clock`` on a whole
+   path from the root, which contains every node they change (new checkpoints and a refreshed
+   ``ckpt_access`` are on it). So the nodes with ``last_access`` newer than the previous sync form
+   a subtree hanging from the root: a descent through it (and through nodes never seen, i.e. new
+   ones) finds them, at the cost of the children of the nodes on those paths, not of the tree;
+3. locks also cover whole root paths: a descent through locked nodes lists them; its difference
+   with the previous list is the set of nodes whose lock state changed;
+4. consistency check: the index's totals (nodes, states, KV tokens) and newest uid must equal the
+   tree's (``num_nodes``, ``num_states``, ``kv_tokens``, the uid counter). Anything else -- an
+   eviction primitive called from outside (``drop_checkpoint`` / ``drop_leaf`` / ``split_at`` /
+   ``truncate`` / ``merge_with_child``, e.g. by the SGLang shadow mirroring SGLang's evictions) --
+   breaks it and triggers a signature rescan (liveness, version, recency, children and checkpoint
+   counts of every registered node; O(n), ~1 us/node); should the totals still disagree, the index
+   is rebuilt from scratch (O(n) scoring, the reference round's cost).
+
+Back-to-back evictions (nothing else touched the tree) cost step 3 plus a few counter comparisons.
+Unsupported: writing node fields directly instead of calling ``RadixTree`` methods -- call
+:meth:`Evictor.invalidate` afterwards.
+
+Exactness: raw terms are computed by the same expressions as ``Evictor._candidate`` (same float
+operations in the same order, each checkpoint's FLOPs computed by ``Evictor._ckpt_flops``), so the
+columns hold bit-identical values; the normalisation and score (:meth:`CandidateIndex.round_scores`)
+apply the reference's float operations elementwise (IEEE-exact in numpy, no fused operations).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sglang_sparse.tree import Node
+
+if TYPE_CHECKING:
+    from .eviction import Evictor
+
+#: Candidate kinds (see :mod:`.eviction`); re-exported there.
+LEAF, NODE_STATES, CKPT = 0, 1, 2
+_UNKNOWN = -2  # ``down`` of a node that was never computed (forces its children to refresh)
+
+
+class _Info:
+    """What the index knows about one registered node (its state at the last refresh)."""
+
+    __slots__ = ("version", "last", "nch", "nck", "ntok", "down", "slots")
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.last = -1
+        self.nch = 0  # len(children)
+        self.nck = 0  # len(checkpoints)
+        self.ntok = 0  # KV tokens of the edge
+        self.down = _UNKNOWN  # fallback depth (tokens) inherited by the children
+        self.slots: list[int] = []  # column rows of this node's candidates
+
+
+class CandidateIndex:
+    """Columns of the raw candidate terms, kept equal to what ``Evictor._candidate`` would return.
+
+    Invariant after :meth:`sync`: rows ``0 .. n-1`` are exactly the candidates of
+    ``Evictor.candidates()`` for which ``Evictor._candidate`` is not ``None``, one row each, with
+    ``rec`` = recency (logical clock, as float), ``val`` = efficiency (FLOPs per byte; 0.0 while
+    values are off), ``dead`` = unservable, ``uid``/``pos``/``kind`` the tie-break keys and
+    ``node``/``ver`` the node and its ``version``. Row order is arbitrary (swap-remove).
+    """
+
+    def __init__(self, ev: Evictor) -> None:
+        self.ev = ev
+        self.built = False
+        self.pending: set[Node] = set()
+        #: full rebuilds / signature rescans so far (diagnostics: both are O(n))
+        self.builds = self.rescans = 0
+
+    # ------------------------------------------------------------------ columns
+
+    def _alloc(self, cap: int) -> None:
+        self.cap = cap
+        self.n = 0
+        self.rec = np.empty(cap, dtype=np.float64)
+        self.val = np.empty(cap, dtype=np.float64)
+        self.dead = np.empty(cap, dtype=np.bool_)
+        self.uid = np.empty(cap, dtype=np.int64)
+        self.pos = np.empty(cap, dtype=np.int64)
+        self.kind = np.empty(cap, dtype=np.int64)
+        self.node: list[Node] = []
+        self.ver: list[int] = []
+        self._scratch()
+
+    def _scratch(self) -> None:
+        """Per-round work arrays, reused (a fresh 100+ KB array per round costs page faults)."""
+        cap = self.cap
+        self._score, self._key, self._rem, self._tmp = (np.empty(cap, dtype=np.float64) for _ in range(4))
+
+    def _grow(self) -> None:
+        cap = self.cap * 2
+        for name in ("rec", "val", "dead", "uid", "pos", "kind"):
+            old = getattr(self, name)
+            new = np.empty(cap, dtype=old.dtype)
+            new[: self.n] = old[: self.n]
+            setattr(self, name, new)
+        self.cap = cap
+        self._scratch()
+
+    def _add_row(self, node: Node, info: _Info, kind: int, pos: int, r: float, v: float, d: bool) -> None:
+        i = self.n
+        if i == self.cap:
+            self._grow()
+        self.rec[i] = r
+        self.val[i] = v
+        self.dead[i] = d
+        self.uid[i] = node.uid
+        self.pos[i] = pos
+        self.kind[i] = kind
+        self.node.append(node)
+        self.ver.append(node.version)
+        info.slots.append(i)
+        self.n = i + 1
+
+    def _drop_rows(self, info: _Info) -> None:
+        """Remove a node's rows (swap-remove, highest row first so the moved row is never its own)."""
+        for i in sorted(info.slots, reverse=True):
+            last = self.n - 1
+            if i != last:
+                for col in (self.rec, self.val, self.dead, self.uid, self.pos, self.kind):
+                    col[i] = col[last]
+                moved = self.node[last]
+                self.node[i] = moved
+                self.ver[i] = self.ver[last]
+                ms = self.nodes[moved].slots
+                ms[ms.index(last)] = i
+            self.node.pop()
+            self.ver.pop()
+            self.n = last
+        info.slots = []
+
+    # ------------------------------------------------------------------ per-node terms
+
+    def _params(self) -> tuple:
+        """What every row depends on besides the tree's contents (compared by identity/value)."""
+        ev = self.ev
+        return (ev.tree, ev.config, ev.cost, ev.capacity_bytes)
+
+    def _params_changed(self) -> bool:
+        old, new = self.params, self._params()
+        return old[0] is not new[0] or old[1] != new[1] or old[2] is not new[2] or old[3] != new[3]
+
+    def _refresh(self, node: Node, info: _Info) -> bool:
+        """Recompute ``node``'s rows and record its state; True if the fallback its children
+        inherit (``down``) changed."""
+        ev = self.ev
+        tree = ev.tree
+        if info.slots:
+            self._drop_rows(info)
+        ck = node.checkpoints
+        keys = ck.keys()
+        # -- the candidates of this node, as ``candidates()`` + ``_candidate()`` define them
+        if (
+            node.alive
+            and node.lock_ref == 0
+            and (node in tree.evictable_leaves or node in tree.evictable_ckpt_nodes)
+        ):
+            cfg = ev.config
+            children = node.children
+            values = self.values_on
+            fl = [ev._ckpt_flops(node, p) for p in keys] if values and keys else []  # noqa: SLF001
+            if not children:
+                nbytes = tree.node_bytes(node)
+                v = sum(fl) if values else 0.0
+                d = bool(ck) and ev._unservable(keys[0])  # noqa: SLF001
+                self._add_row(node, info, LEAF, -1, float(node.last_access), v / max(nbytes, 1), d)
+            elif cfg.node_states and len(children) == 1 and ck:
+                nbytes = len(ck) * tree.state_bytes
+                v = sum(fl) if values else 0.0
+                d = ev._unservable(keys[0])  # noqa: SLF001
+                self._add_row(node, info, NODE_STATES, -1, float(node.last_access), v / nbytes, d)
+            if cfg.ckpt_scope != "none" and ck:
+                own = cfg.ckpt_recency == "own"
+                last = keys[-1]
+                for i in range(len(keys) if cfg.ckpt_scope == "all" else len(keys) - 1):
+                    p = keys[i]
+                    rec = node.ckpt_access[p] if own else node.last_access
+                    nbytes = tree.state_bytes
+                    if not children and p == last:  # frees the dead KV tail as well
+                        above = keys[i - 1] if i > 0 else node.start
+                        nbytes += (node.end - above) * tree.kv_bytes_per_token
+                    v = fl[i] if values else 0.0
+                    self._add_row(node, info, CKPT, p, float(rec), v / nbytes, ev._unservable(p))  # noqa: SLF001
+        # -- bookkeeping (totals for the consistency check, eviction-index copies)
+        nck, ntok = len(ck), node.num_tokens
+        self.num_states += nck - info.nck
+        self.kv_tokens += ntok - info.ntok
+        info.version, info.last, info.nch, info.nck, info.ntok = (
+            node.version,
+            node.last_access,
+            len(node.children),
+            nck,
+            ntok,
+        )
+        down = keys[-1] if keys else tree.fallback_depth(node, node.start + 1)
+        changed = down != info.down
+        info.down = down
+        return changed
+
+    def _register(self, node: Node) -> _Info:
+        info = _Info()
+        self.nodes[node] = info
+        if node.uid > self.max_uid:
+            self.max_uid = node.uid
+        return info
+
+    def _unregister(self, node: Node, info: _Info) -> None:
+        if info.slots:
+            self._drop_rows(info)
+        self.num_states -= info.nck
+        self.kv_tokens -= info.ntok
+        self.locked.discard(node)
+        del self.nodes[node]
+
+    def _apply(self, work: Iterable[Node]) -> None:
+        """Refresh ``work`` and what it implies: dead nodes are dropped, unknown parents (the upper
+        half of a split) registered, children of nodes whose inherited fallback changed refreshed
+        (all children of a new node)."""
+        root = self.ev.tree.root
+        nodes = self.nodes
+        stack = list(work)
+        done: set[Node] = set()
+        while stack:
+            node = stack.pop()
+            if node in done or node is root:
+                continue
+            done.add(node)
+            info = nodes.get(node)
+            parent = node.parent
+            if parent is not None and parent is not root and parent.alive and parent not in nodes:
+                stack.append(parent)  # e.g. the upper half of a split (also of a truncated leaf)
+            if not node.alive:
+                if info is not None:
+                    self._unregister(node, info)
+                elif node.uid > self.max_uid:  # created and dropped since the last sync
+                    self.max_uid = node.uid
+                continue
+            if info is None:
+                info = self._register(node)
+            if self._refresh(node, info):
+                stack.extend(node.children.values())
+
+    # ------------------------------------------------------------------ sync
+
+    def touch(self, node: Node) -> None:
+        """Record that the evictor changed ``node`` (refreshed at the next :meth:`sync`)."""
+        self.pending.add(node)
+
+    def invalidate(self) -> None:
+        """Forget everything; the next :meth:`sync` rebuilds from the tree."""
+        self.built = False
+        self.pending = set()
+
+    def _totals_match(self) -> bool:
+        tree = self.ev.tree
+        return (
+            len(self.nodes) == tree.num_nodes
+            and self.num_states == tree.num_states
+            and self.kv_tokens == tree.kv_tokens
+            and self.max_uid >= tree._uid  # noqa: SLF001 - the uid counter: every new node bumps it
+        )
+
+    def build(self) -> None:
+        """Register every node of the tree and compute all rows (O(n), the reference round's cost)."""
+        ev = self.ev
+        tree = ev.tree
+        self.builds += 1
+        self.params = self._params()
+        self.values_on = ev.alpha > 0
+        self._alloc(max(64, 2 * (tree.num_nodes + tree.num_states)))
+        self.nodes: dict[Node, _Info] = {}
+        self.num_states = self.kv_tokens = 0
+        self.max_uid = tree._uid  # noqa: SLF001 - every live node has a uid <= the counter
+        for node in tree.nodes():
+            self._refresh(node, self._register(node))
+        self.clock = tree.clock
+        self.locked = self._locked()
+        self.pending = set()
+        self.built = True
+
+    def _locked(self) -> set[Node]:
+        """The locked nodes (except the root). They form a subtree hanging from the root (a lock
+        covers the whole path), so a descent through locked nodes finds them all: cost ~ the
+        children of locked nodes, not the tree."""
+        out: set[Node] = set()
+        stack = [self.ev.tree.root]
+        while stack:
+            for c in stack.pop().children.values():
+                if c.lock_ref > 0:
+                    out.add(c)
+                    stack.append(c)
+        return out
+
+    def sync(self) -> None:
+        """Bring the rows up to date with the tree (see the module docstring for how changes are found)."""
+        ev = self.ev
+        tree = ev.tree
+        if not self.built or self._params_changed() or (ev.alpha > 0 and not self.values_on):
+            self.build()
+            return
+        work = self.pending
+        self.pending = set()
+        nodes = self.nodes
+        if tree.clock != self.clock:
+            # insert / observe since the last sync: they write ``last_access`` on a whole path from
+            # the root, so the nodes with ``last_access > t`` form a subtree hanging from the root;
+            # descend through it (and through nodes never seen: new ones).
+            t = self.clock
+            stack = [tree.root]
+            while stack:
+                for c in stack.pop().children.values():
+                    if c.last_access > t or c not in nodes:
+                        work.add(c)
+                        stack.append(c)
+            self.clock = tree.clock
+        locked = self._locked()
+        if locked != self.locked:  # lock / unlock
+            work.update(locked ^ self.locked)
+            self.locked = locked
+        if work:
+            self._apply(work)
+        if not self._totals_match():
+            self._rescan()
+
+    def _rescan(self) -> None:
+        """Something changed the tree without advancing its clock (an external eviction primitive):
+        compare every registered node's signature, register unknown nodes (new children of changed
+        nodes or of the root, unknown parents); rebuild if the totals still disagree. O(n)."""
+        tree = self.ev.tree
+        nodes = self.nodes
+        self.rescans += 1
+        work = [
+            n
+            for n, i in nodes.items()
+            if not n.alive
+            or n.version != i.version
+            or n.last_access != i.last
+            or len(n.children) != i.nch
+            or len(n.checkpoints) != i.nck
+        ]
+        for n in [tree.root, *work]:
+            if n.alive:
+                work.extend(c for c in n.children.values() if c not in nodes)
+        self._apply(work)
+        mine = (len(nodes), self.num_states, self.kv_tokens)
+        if mine != (tree.num_nodes, tree.num_states, tree.kv_tokens):
+            self.build()
+            return
+        self.max_uid = max(self.max_uid, tree._uid)  # noqa: SLF001 - nodes created and dropped since
+
+    # ------------------------------------------------------------------ scoring
+
+    def round_scores(self, alpha: float) -> tuple[np.ndarray, np.ndarray, tuple[float, float, float, float]]:
+        """``(score, key, (rmin, rspan, vmin, vspan))`` over rows ``0 .. n-1`` (``n > 0``; the arrays
+        are work buffers, overwritten by the next call).
+
+        ``score = (rec - rmin) / rspan + alpha * (val - vmin) / vspan`` with the reference's min-max
+        constants and float operations; ``key`` is ``score`` with ``-inf`` for unservable rows (the
+        round's heap key). With ``alpha == 0`` the efficiency term is exactly ``+0.0`` in the
+        reference (all values are 0 there), so it is omitted (``x + 0.0 == x`` for ``x >= 0``).
+        """
+        n = self.n
+        rec = self.rec[:n]
+        rmin, rmax = float(rec.min()), float(rec.max())
+        rspan = (rmax - rmin) or 1.0
+        score = np.subtract(rec, rmin, out=self._score[:n])
+        score /= rspan
+        if alpha > 0:
+            val = self.val[:n]
+            vmin, vmax = float(val.min()), float(val.max())
+            vspan = (vmax - vmin) or 1.0
+            t = np.subtract(val, vmin, out=self._tmp[:n])
+            t *= alpha
+            t /= vspan
+            score += t
+        else:
+            vmin, vspan = 0.0, 1.0
+        dead = self.dead[:n]
+        key = self._key[:n]
+        np.copyto(key, score)
+        if dead.any():
+            np.putmask(key, dead, -np.inf)
+        return score, key, (rmin, rspan, vmin, vspan)
+
+    def order(self, key: np.ndarray) -> Iterator[int]:
+        """Rows in ascending ``(key, uid, pos, kind)`` order, lazily: the first row costs one
+        ``min`` pass; later rows come in chunks of geometrically growing size (``np.partition`` +
+        ``lexsort`` of every row up to and including the chunk's largest key, so ties at a chunk
+        boundary are never split). Requires finite or ``-inf`` keys (``+inf`` marks consumed rows).
+        The returned arrays of :meth:`round_scores` and this iterator share work buffers: valid
+        until the next round."""
+        rem = self._rem[: len(key)]
+        np.copyto(rem, key)
+        left = len(rem)
+        k = 1
+        uid, pos, kind = self.uid, self.pos, self.kind
+        while left:
+            if k >= left:
+                sel = np.flatnonzero(rem != np.inf)
+            elif k == 1:
+                sel = np.flatnonzero(rem == rem.min())
+            else:
+                sel = np.flatnonzero(rem <= np.partition(rem, k - 1)[k - 1])
+            if len(sel) > 1:
+                sel = sel[np.lexsort((kind[sel], pos[sel], uid[sel], rem[sel]))]
+            rem[sel] = np.inf
+            left -= len(sel)
+            k *= 8
+            yield from sel.tolist()
+
+    # ------------------------------------------------------------------ testing
+
+    def verify(self) -> None:
+        """Assert the rows equal a from-scratch computation with ``Evictor.candidates()`` +
+        ``Evictor._candidate()`` (tests call this after :meth:`sync`)."""
+        ev = self.ev
+        want = {}
+        for kind, node, pos in ev.candidates():
+            c = ev._candidate(kind, node, pos, need_value=self.values_on)  # noqa: SLF001
+            if c is not None:
+                want[(node.uid, pos, kind)] = (c[0], c[1], c[3], node.version)
+        got = {}
+        for i in range(self.n):
+            key = (int(self.uid[i]), int(self.pos[i]), int(self.kind[i]))
+            assert key not in got, f"duplicate row {key}"
+            assert self.node[i].uid == key[0]
+            got[key] = (float(self.rec[i]), float(self.val[i]), bool(self.dead[i]), self.ver[i])
+        assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))
+        for k, w in want.items():
+            assert got[k] == w, (k, got[k], w)
+        for node, info in self.nodes.items():
+            assert node.alive
+            for i in info.slots:
+                assert self.node[i] is node
+        assert len(self.nodes) == ev.tree.num_nodes
