@@ -2,7 +2,8 @@
 
 ``python -m benchmarks`` runs every stage with its default (small) size; ``--only`` picks
 stages, ``--quick`` shrinks each one. Each stage prints its table and writes JSON/PNG under
-``benchmarks/results/``. Stages:
+``benchmarks/results/`` (smoke-size runs under ``benchmarks/results/quick/``, git-ignored, so they
+never overwrite the committed full results). Stages:
 
 * ``traces``    - build the four traces from ``../shared/data`` into ``traces/build/``
 * ``placement`` - checkpoint placement Pareto fronts + DP solve time (benchmarks/placement.py)

@@ -14,11 +14,21 @@ T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+#: where ``--quick`` (smoke) runs write, so they never overwrite the committed full results
+QUICK_RESULTS = RESULTS / "quick"
 
 
-def write_json(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` (plus machine info) to ``benchmarks/results/<name>.json``."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def results_dir(quick: bool) -> Path:
+    """``benchmarks/results`` for full runs, ``benchmarks/results/quick`` (git-ignored) for smoke runs."""
+    d = QUICK_RESULTS if quick else RESULTS
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_json(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
+    """Write ``payload`` (plus machine info) to ``<out_dir>/<name>.json`` (default
+    ``benchmarks/results``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         "machine": {
             "python": sys.version.split()[0],
@@ -27,7 +37,7 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
         },
         **payload,
     }
-    path = RESULTS / f"{name}.json"
+    path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path
 

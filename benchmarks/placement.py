@@ -20,7 +20,7 @@ Part 2 - DP solve time vs N (blocks) and M: native hull, Python hull and the O(N
 
 Run: ``python -m benchmarks.placement [--traces traces/build] [--quick]``. Writes
 ``benchmarks/results/placement.json``, ``placement_pareto.png``, ``placement_dp_time.json`` and
-``placement_dp_time.png``.
+``placement_dp_time.png`` (``--quick``: under ``benchmarks/results/quick/``).
 """
 
 from __future__ import annotations
@@ -428,9 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick and args.limit is None:
         args.limit = 300
-    from ._common import RESULTS
+    from ._common import results_dir
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.quick)
     results = pareto(args.traces, args.names, args.limit, args.entries)
     acc = acceptance(results)
     write_json(
@@ -442,8 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "traces": results,
             "acceptance": acc,
         },
+        out,
     )
-    plot_pareto(results, RESULTS / "placement_pareto.png")
+    plot_pareto(results, out / "placement_pareto.png")
     for name, r in results.items():
         rows = []
         for i, m in enumerate(BUDGETS):
@@ -467,8 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     if not args.skip_timing:
         timing = time_dp(args.quick)
-        write_json("placement_dp_time", timing)
-        plot_dp_time(timing, RESULTS / "placement_dp_time.png")
+        write_json("placement_dp_time", timing, out)
+        plot_dp_time(timing, out / "placement_dp_time.png")
         t = timing["n2048_m64"]
         print(
             f"\n== DP solve time at N=2048 blocks, M=64: native {t['native_ms']:.2f} ms, python hull "
@@ -476,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{t['reference_over_native']:.0f}x; growth exponents in N: "
             f"{timing['growth_exponent_in_N_at_M64']}"
         )
-    print(f"\nresults in {RESULTS}")
+    print(f"\nresults in {out}")
     return 0
 
 

@@ -76,7 +76,14 @@ def configs(quick: bool) -> dict[str, tuple[list[str], dict[str, str]]]:
 
 
 def run_config(
-    model_dir: Path, name: str, extra: list[str], env: dict, traces: dict, bar, context: int
+    model_dir: Path,
+    name: str,
+    extra: list[str],
+    env: dict,
+    traces: dict,
+    bar,
+    context: int,
+    log_dir: Path = RESULTS,
 ) -> dict[str, Any]:
     import requests
 
@@ -89,7 +96,7 @@ def run_config(
         context_length=context,
         max_total_tokens=KV_TOKENS,
         max_mamba_cache_size=STATE_SLOTS,
-        log_path=RESULTS / f"serving_{name}.log",
+        log_path=log_dir / f"serving_{name}.log",
     )
     srv.start(timeout=600)
     out: dict[str, Any] = {"startup_s": srv.startup_seconds}
@@ -214,8 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         "prefill of the bench model takes minutes on 2 shared cores)",
     )
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/sglang_sparse_bench_model"))
-    ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default benchmarks/results[/quick]/serving.json)"
+    )
     args = ap.parse_args(argv)
+    if args.out is None:
+        from benchmarks._common import results_dir
+
+        args.out = results_dir(args.quick) / "serving.json"
 
     from tqdm import tqdm
 
@@ -233,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         t: load_requests(t, n, target=args.target_len, tail=48, max_len=context - 16, vocab=vocab)
         for t in trace_names
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     cfgs = configs(args.quick)
     total = len(cfgs) * sum(len(v) for v in traces.values())
     t0 = time.time()
@@ -241,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=total, desc="serving replay", file=sys.stderr) as bar:
         for cname, (extra, env) in cfgs.items():
             bar.set_postfix_str(cname)
-            results[cname] = run_config(model_dir, cname, extra, env, traces, bar, context)
+            results[cname] = run_config(model_dir, cname, extra, env, traces, bar, context, args.out.parent)
     ideal = {t: ideal_prefilled(v) for t, v in traces.items()}
     summary = summarize(results, trace_names, ideal)
     doc = {

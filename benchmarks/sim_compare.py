@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks._common import REPO
+from benchmarks._common import REPO, results_dir
 from sglang_sparse.policy import POLICY_NAMES
 from sglang_sparse.sim import OracleLaw, cost_model, load_trace, simulate, synthetic_trace
 
@@ -32,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=[p for p in POLICY_NAMES if p != "sparse_law"])
     ap.add_argument("--fracs", nargs="+", type=float, default=None)
     ap.add_argument("--model", default="qwen3-next-80b-a3b")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results[/quick])")
     ap.add_argument("--synthetic", action="store_true", help="small generated traces (no data needed)")
     args = ap.parse_args(argv)
     fracs = tuple(args.fracs) if args.fracs else (QUICK_FRACS if args.quick else FULL_FRACS)
     cm = cost_model(args.model)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else results_dir(args.quick)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"model": args.model, "fracs": fracs, "traces": {}}
     jobs = [(t, f, p) for t in args.traces for f in fracs for p in args.policies]
