@@ -98,15 +98,10 @@ class ScoredCandidate(NamedTuple):
 _Entry = tuple[float, int, int, int, Node, int]  # (score, uid, pos, kind, node, version): the heap key
 
 
-class Evictor:
-    """Scores candidates and evicts until a byte target is met.
-
-    Decisions are those of :class:`~.eviction_reference.ReferenceEvictor` (the module docstring);
-    the candidate terms live in an incremental :class:`~.eviction_index.CandidateIndex`. The index
-    notices every change made through :class:`~sglang_sparse.tree.RadixTree` methods; after writing
-    node fields directly, call :meth:`invalidate`. Copies (``copy.deepcopy``, pickling) drop the
-    index; it is rebuilt at the copy's first round.
-    """
+class CandidateTerms:
+    """Candidate enumeration and raw terms ``(recency, FLOPs/byte, bytes, unservable)`` shared by
+    :class:`Evictor` and its specification :class:`~.eviction_reference.ReferenceEvictor` (which
+    differ only in how a round finds the lowest scores)."""
 
     def __init__(
         self,
@@ -124,21 +119,6 @@ class Evictor:
         #: cache capacity (bytes); with ``config.drop_unservable`` a checkpoint at depth ``p`` whose
         #: path needs more (``p * kv_bytes_per_token + state_bytes > capacity_bytes``) is evicted first
         self.capacity_bytes = capacity_bytes
-        self._index = CandidateIndex(self)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_index"]  # rebuilt on demand: cheaper than copying it, and never stale
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._index = CandidateIndex(self)
-
-    def invalidate(self) -> None:
-        """Drop the candidate index (rebuilt at the next round): needed only after changing the tree
-        other than through :class:`~sglang_sparse.tree.RadixTree` methods."""
-        self._index.invalidate()
 
     def _unservable(self, pos: int) -> bool:
         """Whether a checkpoint at depth ``pos`` can never be resumed from: its path KV plus the
@@ -204,8 +184,8 @@ class Evictor:
     def candidates(self) -> list[tuple[int, Node, int]]:
         """Eligible candidates ``(kind, node, pos)`` in deterministic order (pos -1 for node kinds).
 
-        Enumerates the tree's eviction index (O(n)); the eviction rounds do not call it (see
-        :meth:`scores` for the scored candidates)."""
+        Enumerates the tree's eviction index (O(n)); :class:`Evictor`'s rounds do not call it (see
+        :meth:`Evictor.scores` for the scored candidates), the reference rounds do."""
         cfg = self.config
         out: list[tuple[int, Node, int]] = []
         tree = self.tree
@@ -224,6 +204,42 @@ class Evictor:
                     keys = keys[:-1]
                 out.extend((CKPT, node, p) for p in keys)
         return out
+
+
+class Evictor(CandidateTerms):
+    """Scores candidates and evicts until a byte target is met.
+
+    Decisions are those of :class:`~.eviction_reference.ReferenceEvictor` (the module docstring);
+    the candidate terms live in an incremental :class:`~.eviction_index.CandidateIndex`. The index
+    notices every change made through :class:`~sglang_sparse.tree.RadixTree` methods; after writing
+    node fields directly, call :meth:`invalidate`. Copies (``copy.deepcopy``, pickling) drop the
+    index; it is rebuilt at the copy's first round.
+    """
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        config: EvictionConfig,
+        cost: ModelCostModel | None,
+        alpha: float = 0.0,
+        capacity_bytes: int | None = None,
+    ):
+        super().__init__(tree, config, cost, alpha, capacity_bytes)
+        self._index = CandidateIndex(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_index"]  # rebuilt on demand: cheaper than copying it, and never stale
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._index = CandidateIndex(self)
+
+    def invalidate(self) -> None:
+        """Drop the candidate index (rebuilt at the next round): needed only after changing the tree
+        other than through :class:`~sglang_sparse.tree.RadixTree` methods."""
+        self._index.invalidate()
 
     def scores(self) -> list[ScoredCandidate]:
         """Every current candidate with the score an eviction round starting now would give it, in
