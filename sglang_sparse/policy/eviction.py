@@ -181,6 +181,20 @@ class CandidateTerms:
             nbytes += (node.end - above) * tree.kv_bytes_per_token
         return float(rec), val / nbytes, nbytes, self._unservable(pos)
 
+    def evict(self, target_bytes: int) -> Freed:
+        """Evict until ``tree.bytes_used <= target_bytes`` or nothing evictable remains."""
+        tree = self.tree
+        freed = Freed()
+        while tree.bytes_used > target_bytes:
+            progressed = self._round(target_bytes, freed)
+            if not progressed:
+                break
+        return freed
+
+    def _round(self, target_bytes: int, freed: Freed) -> bool:
+        """One eviction round (subclasses); ``False`` when nothing could be evicted."""
+        raise NotImplementedError
+
     def candidates(self) -> list[tuple[int, Node, int]]:
         """Eligible candidates ``(kind, node, pos)`` in deterministic order (pos -1 for node kinds).
 
@@ -216,15 +230,9 @@ class Evictor(CandidateTerms):
     index; it is rebuilt at the copy's first round.
     """
 
-    def __init__(
-        self,
-        tree: RadixTree,
-        config: EvictionConfig,
-        cost: ModelCostModel | None,
-        alpha: float = 0.0,
-        capacity_bytes: int | None = None,
-    ):
-        super().__init__(tree, config, cost, alpha, capacity_bytes)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Arguments of :class:`CandidateTerms`."""
+        super().__init__(*args, **kwargs)
         self._index = CandidateIndex(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -267,16 +275,6 @@ class Evictor(CandidateTerms):
         ]
 
     # ------------------------------------------------------------------ loop
-
-    def evict(self, target_bytes: int) -> Freed:
-        """Evict until ``tree.bytes_used <= target_bytes`` or nothing evictable remains."""
-        tree = self.tree
-        freed = Freed()
-        while tree.bytes_used > target_bytes:
-            progressed = self._round(target_bytes, freed)
-            if not progressed:
-                break
-        return freed
 
     def _round(self, target_bytes: int, freed: Freed) -> bool:
         """One round of the reference: candidates present now, scored with this round's min-max

@@ -29,16 +29,6 @@ class ReferenceEvictor(CandidateTerms):
 
     # ------------------------------------------------------------------ loop
 
-    def evict(self, target_bytes: int) -> Freed:
-        """Evict until ``tree.bytes_used <= target_bytes`` or nothing evictable remains."""
-        tree = self.tree
-        freed = Freed()
-        while tree.bytes_used > target_bytes:
-            progressed = self._round(target_bytes, freed)
-            if not progressed:
-                break
-        return freed
-
     def _round(self, target_bytes: int, freed: Freed) -> bool:
         tree = self.tree
         raw = []
