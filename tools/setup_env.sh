@@ -6,8 +6,9 @@
 #
 # What it installs, and why it does not simply `pip install sglang`:
 #   * torch==2.13.0 CPU. The PyPI torch wheel for Linux x86_64 is the multi-GB CUDA build (and CUDA
-#     torch 2.14.1 breaks Qwen3-Next without a GPU). A local CPU wheel lives in /opt/wheels on the
-#     project's machines (pip's find-links); we pass it explicitly when present.
+#     torch 2.14.1 breaks Qwen3-Next without a GPU). We ask pip for torch==2.13.0+cpu from the
+#     indexes and find-links pip is configured with (PIP_FIND_LINKS, PIP_INDEX_URL,
+#     PIP_EXTRA_INDEX_URL, pip.conf), plus TORCH_WHEEL_DIR (a folder of wheels) if set.
 #   * sglang==0.5.23 --no-deps plus the minimal run-time set below (its full dependency list pulls
 #     CUDA-only kernels, flashinfer, deep-gemm, ...). Versions are pinned to the set that was tested.
 #   * torchvision --no-deps: sglang imports it at start-up (configs -> multimodal/internvl_utils).
@@ -17,8 +18,8 @@
 #     the meta kernels only when the compiled ops exist. Nothing in the project uses torchvision ops.
 #   * triton + flash-linear-attention: the project depends on FLA's naive references; triton is also
 #     imported unconditionally by sglang (srt/utils/common.py).
-#   * our CPU `sgl_kernel` shim (kernels/sgl_kernel_cpu/shim): a tiny separate distribution that
-#     provides a top-level `sgl_kernel` module implemented in pure torch (ops in kernels/sgl_kernel_cpu)
+#   * our CPU `sgl_kernel` shim (kernels/sgl_kernel_shim): a tiny separate distribution that
+#     provides a top-level `sgl_kernel` module implemented in pure torch (ops in kernels/sglang_sparse_kernels/sgl_kernel_cpu)
 #     plus two SGLang plugins (entry points `sglang.srt.plugins`): `sglang_sparse_cpu` routes the two
 #     non-AMX Triton-only paths to torch, `sglang_sparse_input_guard` rejects out-of-vocab input ids.
 #     It is installed ONLY when no other `sgl_kernel` is installed and torch sees no CUDA device, so it
@@ -31,13 +32,12 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$REPO/.venv"
 PY="$VENV/bin/python"
 STAMP="$VENV/.setup_env.stamp"
-TORCH_WHEEL_DIR="${TORCH_WHEEL_DIR:-/opt/wheels}"
 
 step() { printf '[setup_env] %s\n' "$*"; }
 
 # The stamp key covers this script and the shim's packaging, so editing either re-runs the steps.
 stamp_key() {
-    cat "$REPO/tools/setup_env.sh" "$REPO/kernels/sgl_kernel_cpu/shim/pyproject.toml" \
+    cat "$REPO/tools/setup_env.sh" "$REPO/kernels/sgl_kernel_shim/pyproject.toml" \
         "$REPO/pyproject.toml" 2>/dev/null | sha256sum | cut -d' ' -f1
 }
 
@@ -66,13 +66,15 @@ step "torch 2.13.0 (CPU)"
 if "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
     :
 else
-    TORCH_WHEEL="$(ls "$TORCH_WHEEL_DIR"/torch-2.13.0+cpu-cp311-*.whl 2>/dev/null | head -n1 || true)"
-    if [[ -n "$TORCH_WHEEL" ]]; then
-        "${PIP[@]}" "$TORCH_WHEEL"
-    else
-        step "  no local CPU wheel in $TORCH_WHEEL_DIR; trying the PyTorch CPU index"
-        "${PIP[@]}" "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
-            --extra-index-url https://pypi.org/simple
+    # torch==2.13.0+cpu comes from wherever pip is configured to look: PIP_FIND_LINKS (on the
+    # project's machines a folder of local wheels, set in pip's own configuration),
+    # PIP_INDEX_URL / PIP_EXTRA_INDEX_URL (e.g. PyTorch's CPU wheel index), or TORCH_WHEEL_DIR
+    # below. No index host is written here.
+    EXTRA=()
+    [[ -n "${TORCH_WHEEL_DIR:-}" ]] && EXTRA=(--find-links "$TORCH_WHEEL_DIR")
+    if ! "${PIP[@]}" "${EXTRA[@]}" "torch==2.13.0+cpu"; then
+        step "  torch==2.13.0+cpu not found: point pip at a CPU wheel (PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL or TORCH_WHEEL_DIR)"
+        exit 1
     fi
 fi
 
@@ -140,7 +142,7 @@ import importlib.util
 spec = importlib.util.find_spec("sgl_kernel")
 if spec is None:
     print("absent")
-elif spec.origin and "sgl_kernel_cpu/shim" in spec.origin:
+elif spec.origin and "sgl_kernel_shim" in spec.origin:
     print("shim")
 else:
     print("real:%s" % spec.origin)
@@ -150,7 +152,7 @@ if [[ "$SHIM_STATE" == real:* ]]; then
 elif ! "$PY" -c 'import torch, sys; sys.exit(1 if torch.cuda.is_available() else 0)'; then
     step "  CUDA is available: not installing the CPU shim"
 else
-    "${PIP[@]}" --no-deps -e "$REPO/kernels/sgl_kernel_cpu/shim"
+    "${PIP[@]}" --no-deps -e "$REPO/kernels/sgl_kernel_shim"
 fi
 
 step "smoke import"

@@ -1,4 +1,4 @@
-"""Tests for kernels.gdn_capture: naive recurrent reference vs chunked torch vs FLA-Triton (interpreted).
+"""Tests for sglang_sparse_kernels.gdn_capture: naive recurrent reference vs chunked torch vs FLA-Triton (interpreted).
 
 The Triton path runs in a subprocess with ``TRITON_INTERPRET=1`` (set before triton is imported there), so
 this process never imports triton and other tests are unaffected.  The subprocess is this very file run
@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 torch = pytest.importorskip("torch", reason="torch is not installed (serve extras)")
 F = torch.nn.functional
 
-from kernels.gdn_capture import chunk_gdn_fwd_capture, naive_recurrent_gdn  # noqa: E402
+from sglang_sparse_kernels.gdn_capture import chunk_gdn_fwd_capture, naive_recurrent_gdn  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 
@@ -295,8 +295,8 @@ TRITON_CASES = [
 
 def _triton_worker() -> None:
     """Runs in the subprocess (TRITON_INTERPRET=1 already set); prints {case: {metric: max_abs_err}}."""
-    from kernels.gdn_capture import chunk_gdn_fwd_capture_triton as tri
-    from kernels.gdn_capture._interpret import enable_interpreter_workarounds
+    from sglang_sparse_kernels.gdn_capture import chunk_gdn_fwd_capture_triton as tri
+    from sglang_sparse_kernels.gdn_capture._interpret import enable_interpreter_workarounds
 
     enable_interpreter_workarounds()
     res: dict[str, dict[str, float]] = {}

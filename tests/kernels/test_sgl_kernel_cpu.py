@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (serve extras / tools/setup_env.sh)")
 F = torch.nn.functional
 
-from kernels.sgl_kernel_cpu import (  # noqa: E402
+from sglang_sparse_kernels.sgl_kernel_cpu import (  # noqa: E402
     assign_req_to_token_pool,
     causal_conv1d_fwd,
     causal_conv1d_update,
@@ -364,7 +364,7 @@ def test_torch_ops_registration_matches_python():
 
         if not getattr(sgl_kernel, "__sglang_sparse_cpu_shim__", False):
             pytest.skip("a real sgl_kernel is installed; not registering the CPU shim ops")
-    from kernels.sgl_kernel_cpu import registry
+    from sglang_sparse_kernels.sgl_kernel_cpu import registry
 
     registry.register()
     registry.register()  # idempotent

@@ -1,6 +1,6 @@
 """Chunked (WY / UT-transform) gated-delta-rule forward in pure PyTorch, capturing states at chunk boundaries.
 
-Shapes and semantics are those of :mod:`kernels.gdn_capture.naive` (FLA conventions): ``q, k``
+Shapes and semantics are those of :mod:`sglang_sparse_kernels.gdn_capture.naive` (FLA conventions): ``q, k``
 ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]``, ``g, beta`` ``[B, T, HV]``, log-space decay ``g``, states
 ``[N, HV, K, V]`` float32 (key-first).  Everything is computed in float32.
 

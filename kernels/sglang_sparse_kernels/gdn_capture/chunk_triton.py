@@ -23,8 +23,8 @@ checked there because the interpreter's bf16 emulation overflows, even in FLA's 
 ``chunk_gated_delta_rule``).
 
 Shapes, validation and the meaning of ``capture_chunks`` are those of
-:func:`kernels.gdn_capture.chunk_torch.chunk_gdn_fwd_capture`.  Under ``TRITON_INTERPRET=1`` the
-workarounds in :mod:`kernels.gdn_capture._interpret` are applied automatically.
+:func:`sglang_sparse_kernels.gdn_capture.chunk_torch.chunk_gdn_fwd_capture`.  Under ``TRITON_INTERPRET=1`` the
+workarounds in :mod:`sglang_sparse_kernels.gdn_capture._interpret` are applied automatically.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def chunk_gdn_fwd_capture_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | list[torch.Tensor]]:
     """Triton (FLA) chunked gated-delta-rule forward returning output, final state and boundary states.
 
-    Args: as :func:`kernels.gdn_capture.chunk_torch.chunk_gdn_fwd_capture`, plus ``fused_intra`` (use
+    Args: as :func:`sglang_sparse_kernels.gdn_capture.chunk_torch.chunk_gdn_fwd_capture`, plus ``fused_intra`` (use
     FLA's fused kkt + solve_tril kernel instead of the three separate building blocks).  ``chunk_size``
     must be 16, 32 or 64 (FLA's ``solve_tril`` limit).  ``fp32_states=True`` runs the state pass
     (``chunk_gated_delta_rule_fwd_h``) and ``chunk_fwd_o`` on float32 copies of ``q, k, w, u`` so that

@@ -250,7 +250,7 @@ def fused_sigmoid_gating_delta_rule_update(
 
     Args:
         q, k: ``[1, T, H, K]``; v: ``[1, T, HV, V]``; a, b: ``[T, HV]`` (or ``[1, T, HV]``) raw gate
-            inputs, turned into ``g``/``beta`` as in :func:`kernels.sgl_kernel_cpu.gating.gdn_gates`.
+            inputs, turned into ``g``/``beta`` as in :func:`sglang_sparse_kernels.sgl_kernel_cpu.gating.gdn_gates`.
         initial_state_source: state pool ``[S, HV, V, K]``, updated in place.
         initial_state_indices: ``[N]`` slots; negative = padding (skipped, zero output).
         cu_seqlens: ``[N + 1]`` token offsets (None: one token per sequence).

@@ -2,7 +2,7 @@
 
 Provides what SGLang 0.5.23 imports from ``sgl_kernel`` on a CPU-only machine for hybrid GDN models:
 the plain functions below, the ``sgl_kernel.mamba`` module, and the ``torch.ops.sgl_kernel.*`` ops
-registered by :func:`kernels.sgl_kernel_cpu.registry.register`.
+registered by :func:`sglang_sparse_kernels.sgl_kernel_cpu.registry.register`.
 
 Other ``*_cpu`` names SGLang imports at module level on the CPU (speculative decoding helpers, ...)
 resolve to stubs that raise ``NotImplementedError`` when called, so start-up succeeds and a missing
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kernels.sgl_kernel_cpu import registry as _registry
-from kernels.sgl_kernel_cpu.kv_copy import copy_all_layer_kv_cache as copy_all_layer_kv_cache_cpu
-from kernels.sgl_kernel_cpu.token_pool import assign_req_to_token_pool as assign_req_to_token_pool_cpu
+from sglang_sparse_kernels.sgl_kernel_cpu import registry as _registry
+from sglang_sparse_kernels.sgl_kernel_cpu.kv_copy import copy_all_layer_kv_cache as copy_all_layer_kv_cache_cpu
+from sglang_sparse_kernels.sgl_kernel_cpu.token_pool import assign_req_to_token_pool as assign_req_to_token_pool_cpu
 
 from . import mamba
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kernels.sgl_kernel_cpu import conv, delta_rule
+from sglang_sparse_kernels.sgl_kernel_cpu import conv, delta_rule
 
 
 def causal_conv1d_fn_cpu(
