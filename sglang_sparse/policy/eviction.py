@@ -249,6 +249,18 @@ class Evictor(CandidateTerms):
         other than through :class:`~sglang_sparse.tree.RadixTree` methods."""
         self._index.invalidate()
 
+    def touch(self, node: Node) -> None:
+        """Record that ``node`` changed other than through the tree's clocked operations (an
+        engine-driven mirror's structural events): its candidates are refreshed at the next round
+        without an O(n) rescan. Cheaper than :meth:`invalidate`, and exact when every changed node
+        is touched."""
+        self._index.touch(node)
+
+    @property
+    def index(self) -> CandidateIndex:
+        """The incremental candidate index (read-only use: ``sync``, ``round_scores``, rows)."""
+        return self._index
+
     def scores(self) -> list[ScoredCandidate]:
         """Every current candidate with the score an eviction round starting now would give it, in
         the order that round would pop them (ascending ``(score, uid, pos, kind)``, unservable ones

@@ -33,7 +33,7 @@ properties of :class:`~sglang_sparse.tree.RadixTree` (checked by the differentia
 4. consistency check: the index's totals (nodes, states, KV tokens) and newest uid must equal the
    tree's (``num_nodes``, ``num_states``, ``kv_tokens``, the uid counter). Anything else -- an
    eviction primitive called from outside (``drop_checkpoint`` / ``drop_leaf`` / ``split_at`` /
-   ``truncate`` / ``merge_with_child``, e.g. by the SGLang shadow mirroring SGLang's evictions) --
+   ``truncate`` / ``merge_with_child``, e.g. by a caller mirroring an engine's evictions) --
    breaks it and triggers a signature rescan (liveness, version, recency, children and checkpoint
    counts of every registered node; O(n), ~1 us/node); should the totals still disagree, the index
    is rebuilt from scratch (O(n) scoring, the reference round's cost).

@@ -2,7 +2,8 @@
 
 * :mod:`.plugin` -- entry point ``register()`` and the backend factory (no top-level SGLang import).
 * :mod:`.config` -- ``SGLANG_SPARSE_*`` / ``SGLANG_SPARSE_CONFIG`` options, validated (no SGLang).
-* :mod:`.shadow` -- the policy shadow: capture plan, admission, eviction order, stats (no SGLang).
+* :mod:`.tree_policy` -- the policy on a token-free mirror of SGLang's tree: capture plan, admission,
+  eviction order, alpha tuning, stats (no SGLang).
 * :mod:`.cache` -- ``SparseRadixCache`` / ``SparseMambaComponent`` / prefill adder (imports SGLang).
 
 See ``docs/sparse_backend.md``.

@@ -1,12 +1,20 @@
 """SGLang 0.5.23 classes of the ``sparse`` backend (this module imports SGLang; load it lazily).
 
-* :class:`SparseRadixCache` -- a ``UnifiedRadixCache`` (Python tree core) that owns a
-  :class:`~sglang_sparse.sglang_adapter.shadow.PolicyShadow` and mirrors its tree events into it.
+One tree: SGLang's. The policy (:class:`~sglang_sparse.sglang_adapter.tree_policy.TreePolicy`)
+keeps a token-free mirror of it keyed by SGLang node ids, changed only by SGLang's structural
+events, which these classes forward:
+
+* :class:`SparseTreeCore` -- SGLang's Python ``UnifiedTreeCore`` that reports new nodes, splits,
+  removed leaves and resets to the policy (registered as the tree core ``sparse_python``);
 * :class:`SparseMambaComponent` -- ``MambaComponent`` with policy admission
-  (``prepare_for_caching_req`` returns 0 for an unplanned mid-request checkpoint) and a policy
-  eviction order (``_evict_device_*``), keeping SGLang's leaf-vs-tombstone semantics.
+  (``prepare_for_caching_req`` returns 0 for an unplanned mid-request checkpoint), state
+  attach/free events, and a policy eviction order (``_evict_device_*``), keeping SGLang's
+  leaf-vs-tombstone semantics;
 * :class:`SparseFullComponent` -- ``FullComponent`` whose KV-leaf eviction walk follows the
-  policy: a leaf holding a state by that state's policy score, a leaf without one first.
+  policy: a leaf holding a state by that state's policy key, a leaf without one first;
+* :class:`SparseRadixCache` -- the ``UnifiedRadixCache`` that owns the policy, plans each request
+  from SGLang's own match (no token is re-matched or copied), publishes statistics and checks the
+  mirror against SGLang's tree on demand (:meth:`SparseRadixCache.check_policy_mirror`);
 * :func:`sparse_prefill_adder_class` -- ``PrefillAdder`` subclass that ends prefill chunks at the
   planned capture positions; with ``--mamba-radix-cache-strategy no_buffer`` SGLang checkpoints
   the exact recurrent state at every chunk end.
@@ -19,68 +27,109 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType, EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from .shadow import PolicyShadow
+from .tree_policy import EngineNode, TreePolicy
 
 logger = logging.getLogger("sglang_sparse")
 
+TREE_CORE_NAME = "sparse_python"
 _MAX_PENDING_MATCHES = 65536
 
 
-def _key_tokens(key: Any) -> list[int]:
-    """Token ids of a (non-bigram) ``RadixKey``."""
-    ids = key.token_ids
-    n = len(key)
-    return list(ids[:n]) if len(ids) != n else list(ids)
+def _child_key(node: Any, page_size: int) -> Any:
+    return node.key.child_key(page_size)
 
 
-def _node_id(x: Any) -> Any:
-    return getattr(x, "id", x)
+class SparseTreeCore(UnifiedTreeCore):
+    """SGLang's Python tree core, reporting structural events to ``self.policy`` (set by the cache).
+
+    Every node is created by ``_new_node`` and attached by ``_add_new_node`` (a new edge) or
+    ``_split_node`` (a new upper half; the child keeps its id), and detached only by
+    ``_remove_leaf_from_parent``; ``reset`` rebuilds the root. Those four are the events."""
+
+    policy: TreePolicy | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        if self.policy is not None:
+            self.policy.reset(self.root_node.id)
+
+    def _add_new_node(self, parent, key, value, priority=0, session_id=None, rotation_base=None):
+        node = super()._add_new_node(parent, key, value, priority, session_id, rotation_base)
+        if self.policy is not None:
+            self.policy.on_node_added(node.id, parent.id, len(node.key), _child_key(node, self.page_size))
+        return node
+
+    def _split_node(self, key, child, split_len):
+        new_node, action = super()._split_node(key, child, split_len)
+        if self.policy is not None:
+            self.policy.on_node_split(
+                child.id, new_node.id, len(new_node.key), _child_key(child, self.page_size)
+            )
+        return new_node, action
+
+    def _remove_leaf_from_parent(self, node):
+        super()._remove_leaf_from_parent(node)
+        if self.policy is not None:
+            self.policy.on_leaf_removed(node.id)
+
+    def iter_nodes(self) -> Iterator[Any]:
+        """Every non-root node, parents before children (iterative)."""
+        stack = list(self.root_node.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+
+def make_sparse_tree_core(params, components):
+    """Tree-core factory of ``sparse_python`` (``tree_core_registry.register_tree_core_backend``)."""
+    return SparseTreeCore(params, components)
 
 
 class SparseMambaComponent(MambaComponent):
-    """Mamba component whose admission and eviction order come from the policy shadow."""
+    """Mamba component: policy admission, state events to the mirror, policy eviction order."""
 
     # ---------------------------------------------------------------- keep (admission)
 
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
-        shadow: PolicyShadow = self.cache.shadow
-        if not shadow.admit(req.rid, token_ids_len, finished=is_finished):
-            # Skip the whole insert before a slot is allocated; the KV stays request-owned and
-            # is published by the next admitted checkpoint (or the final one).
+        policy: TreePolicy = self.cache.policy
+        if not policy.admit(req.rid, token_ids_len, finished=is_finished):
+            # Skip the whole insert before a slot is allocated; the KV stays request-owned and is
+            # published by the next admitted checkpoint (or the final one).
             return 0
         return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
 
+    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+        super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+        if node.component_data[self.component_type].value is not None:
+            self.cache.policy.on_state_set(node.id)
+
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
-        published = (
-            insert_result is not None
-            and insert_params is not None
-            and insert_params.mamba_value is not None
-            and insert_params.key is not None
-            and insert_result.last_device_node is not None
-        )
         super().cleanup_after_caching_req(
             req, is_finished=is_finished, insert_result=insert_result, insert_params=insert_params
         )
-        if published:
-            node_id = _node_id(insert_result.last_device_node)
-            node = self.tree_core.node_by_id(node_id)
-            if node is not None and node.component_data[self.component_type].value is not None:
-                self.cache.shadow.on_state_inserted(_key_tokens(insert_params.key), node_id)
+        if insert_result is not None and insert_result.last_device_node is not None:
+            node_id = getattr(insert_result.last_device_node, "id", insert_result.last_device_node)
+            if self.tree_core.node_by_id(node_id) is not None:
+                self.cache.policy.on_insert(node_id)
+        self.cache.maybe_check_invariants("checkpoint")
 
     # ---------------------------------------------------------------- mirror state frees
 
     def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
         had = EvictLayer.DEVICE in target and node.component_data[self.component_type].value is not None
         out = super().evict_component(node, device_frees, host_frees, cache_actions, target=target)
-        if had:
-            self.cache.shadow.on_state_evicted(node.id)
+        if had and node.component_data[self.component_type].value is None:
+            self.cache.policy.on_state_freed(node.id)
         return out
 
     # ---------------------------------------------------------------- evict (order)
@@ -92,16 +141,25 @@ class SparseMambaComponent(MambaComponent):
         if not self._policy_walk():
             return super()._evict_device_start(request_cnt)
         self._evict_device_request_cnt = request_cnt
+        self._sparse_order = self._walk_order()
+        self._evict_device_cursor = None
+
+    def _walk_order(self) -> Iterator[tuple[Any, bool]]:
+        """``(SGLang node, scored)`` for the nodes holding a state: the policy's order first (lazily),
+        then SGLang's own LRU order for the states the policy offers no candidate for."""
+        arena = self.tree_core.node_by_id
+        seen: set[int] = set()
+        for h in self.cache.policy.eviction_order():
+            x = arena(h)
+            if x is not None:
+                seen.add(h)
+                yield x, True
         lru = self.tree_core.lru_lists[self.component_type]
-        nodes = []
         x = lru.get_lru_no_lock()
         while x is not None:  # least recent first, unlocked only
-            nodes.append(x)
+            if x.id not in seen:
+                yield x, False
             x = lru.get_prev_no_lock(x)
-        by_id = {n.id: n for n in nodes}
-        order = self.cache.shadow.eviction_order([n.id for n in nodes])
-        self._sparse_order = iter([by_id[i] for i in order])
-        self._evict_device_cursor = None
 
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
         if not self._policy_walk():
@@ -110,10 +168,12 @@ class SparseMambaComponent(MambaComponent):
         lru = self.tree_core.lru_lists[ct]
         if tracker[ct] >= self._evict_device_request_cnt:
             return None
-        for x in self._sparse_order:
+        for x, scored in self._sparse_order:
             cd = x.component_data[ct]
             if not lru.in_list(x) or cd.value is None or cd.lock_ref > 0:
-                continue  # freed or locked since the walk started
+                continue  # freed or locked
+            if not scored:
+                self.cache.policy.stats.unscored_evictions += 1
             if x in self.tree_core.evictable_device_leaves:
                 return x.id  # the cache evicts the whole leaf (KV + state)
             self.tree_core._evict_component_and_detach_lru(
@@ -141,17 +201,18 @@ class SparseMambaComponent(MambaComponent):
             return super()._evict_device_end()
         self._sparse_order = iter(())
         self._evict_device_cursor = None
+        self.cache.maybe_check_invariants("state eviction")
 
 
 class SparseFullComponent(FullComponent):
     """KV component whose device-eviction walk (KV pool short) takes leaves in the policy's order.
 
-    Key of a leaf: the policy score of the recurrent state it holds (the shadow scores every state
-    handle, i.e. SGLang node id, exactly as the simulator's :class:`Evictor` would); a leaf without
-    a state comes first (no request can resume inside it, its KV is dead weight); ties and states
-    the policy does not score keep SGLang's priority (LRU by default) after the scored ones.
-    Parents exposed during the walk are keyed the same way. With sessions or HiCache enabled the
-    walk is SGLang's own."""
+    Key of a leaf: the policy key of the recurrent state it holds (exactly the simulator's
+    :class:`~sglang_sparse.policy.Evictor` candidates and scores, frozen at the walk's start); a
+    leaf without a state comes first (no request can resume inside it, its KV is dead weight);
+    states the policy does not score follow the scored ones; ties keep SGLang's priority (LRU by
+    default). Parents exposed during the walk are keyed the same way. With sessions or HiCache
+    enabled the walk is SGLang's own."""
 
     def _policy_walk(self) -> bool:
         return not self.tree_core.enable_session_radix_cache and not self.tree_core.enable_hicache
@@ -161,15 +222,16 @@ class SparseFullComponent(FullComponent):
             return super()._evict_device_start(request_cnt)
         self._ensure_eviction_strategy()
         base = self.tree_core.eviction_strategy.get_priority
-        scores = self.cache.shadow.state_scores()
-        self.cache.shadow.stats.kv_eviction_walks += 1
+        policy: TreePolicy = self.cache.policy
+        state_key = policy.state_key_fn()
+        policy.stats.kv_eviction_walks += 1
         mamba = ComponentType.MAMBA
 
         def key(n):
             if n.component_data[mamba].value is None:
                 rank = (0, 0.0)  # dead KV: nothing can resume inside it
             else:
-                sc = scores.get(n.id)
+                sc = state_key(n.id)
                 rank = (1, sc) if sc is not None else (2, 0.0)
             return rank, base(n), n.id
 
@@ -180,27 +242,38 @@ class SparseFullComponent(FullComponent):
         super()._evict_device_end()
         if self._policy_walk():
             self.session_ref_eviction_strategy = None  # _ensure_eviction_strategy restores SGLang's
+            self.cache.maybe_check_invariants("KV eviction")
 
 
 class SparseRadixCache(UnifiedRadixCache):
-    """``UnifiedRadixCache`` + policy shadow (capture plan, admission, eviction order, stats)."""
+    """``UnifiedRadixCache`` + the policy (capture plan, admission, eviction order, stats)."""
 
     is_sparse = True
 
-    def __init__(self, params, *, shadow: PolicyShadow, kv_bytes_per_token: int, state_bytes: int):
-        # reset() runs inside super().__init__, so the shadow must exist first.
-        self.shadow = shadow
-        self._pending_match: dict[str, tuple[int, int]] = {}
+    def __init__(self, params, *, policy: TreePolicy, kv_bytes_per_token: int, state_bytes: int):
+        self.policy = policy
+        self._pending_match: dict[str, tuple[int, int, int | None]] = {}
         self._kv_bytes = int(kv_bytes_per_token)
         self._state_bytes = int(state_bytes)
+        #: ``SGLANG_SPARSE_CHECK_INVARIANTS``: check the mirror after every checkpoint and eviction
+        self._check = bool(policy.config.check_invariants)
+        self.invariant_violations = 0
+        self.last_invariant_error = ""
         super().__init__(params)
+        if not isinstance(self.tree_core, SparseTreeCore):
+            raise RuntimeError(
+                f"the sparse backend needs the {TREE_CORE_NAME!r} tree core, "
+                f"got {type(self.tree_core).__name__}"
+            )
+        # The core's reset() ran inside super().__init__ before it knew the policy: attach now.
+        self.tree_core.policy = policy
+        policy.reset(self.tree_core.root_node.id)
         self._mamba_pool_size = self.req_to_token_pool.mamba_allocator.available_size()
         self._kv_pool_size = self.token_to_kv_pool_allocator.available_size()
 
     def reset(self) -> None:
-        super().reset()
-        if getattr(self, "shadow", None) is not None:
-            self.shadow.reset()
+        super().reset()  # the tree core's reset() resets the policy's mirror
+        if getattr(self, "_pending_match", None) is not None:
             self._pending_match.clear()
 
     # ---------------------------------------------------------------- capture
@@ -209,53 +282,71 @@ class SparseRadixCache(UnifiedRadixCache):
         r = super().match_prefix(params)
         req = params.req
         if req is not None and params.cow_mamba:
-            # Remember SGLang's own view (state-aligned prefix, KV hit) for the stats.
-            self._pending_match[req.rid] = (int(r.device_prefix_len), int(r.full_kv_hit_length))
+            # SGLang's own view: the state-aligned prefix, the KV hit and the node it ends on.
+            self._pending_match[req.rid] = (
+                int(r.device_prefix_len),
+                int(r.full_kv_hit_length),
+                r.last_visited_node_id,
+            )
             if len(self._pending_match) > _MAX_PENDING_MATCHES:
                 self._pending_match.pop(next(iter(self._pending_match)))
         return r
 
     def plan_request(self, req) -> None:
         """Plan ``req``'s captures (once per request; first admission attempt)."""
-        if self.shadow.has_plan(req.rid):
+        if self.policy.has_plan(req.rid):
             return
-        prefix, kv = self._pending_match.pop(req.rid, (int(req.prefix_len), int(req.prefix_len)))
+        prefix, kv, node_id = self._pending_match.pop(req.rid, (int(req.prefix_len), 0, None))
+        if node_id is not None and self.tree_core.node_by_id(node_id) is None:
+            node_id, kv = None, 0  # evicted since the match: plan as a miss
         max_new = int(getattr(req.sampling_params, "max_new_tokens", 0) or 0)
-        self.shadow.plan(req.rid, req.origin_input_ids, max_new, engine_prefix=prefix, engine_kv=kv)
+        self.policy.plan(
+            req.rid,
+            len(req.origin_input_ids),
+            max_new,
+            kv_node_id=node_id,
+            engine_kv=kv,
+            engine_prefix=prefix,
+        )
 
     def next_cut(self, req, prefix_len: int) -> int | None:
-        return self.shadow.next_cut(req.rid, prefix_len)
-
-    # ---------------------------------------------------------------- mirror KV leaf frees
-
-    def _evict_device_leaf(self, node_id, tracker):
-        node = self.tree_core.node_by_id(node_id)
-        first = _key_tokens(node.key)[0]
-        prefix: list[int] = []
-        p = node.parent
-        chain = []
-        while p is not None and p.key is not None and p.parent is not None:
-            chain.append(_key_tokens(p.key))
-            p = p.parent
-        for k in reversed(chain):
-            prefix.extend(k)
-        out = super()._evict_device_leaf(node_id, tracker)
-        self.shadow.on_kv_leaf_evicted(prefix, first)
-        return out
+        return self.policy.next_cut(req.rid, prefix_len)
 
     # ---------------------------------------------------------------- release / stats
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self._pending_match.pop(req.rid, None)
-        self.shadow.finish(req.rid, req.origin_input_ids, req.output_ids)
-        n = self.shadow.config.log_every
-        if n and self.shadow.stats.finished % n == 0:
+        self.policy.finish(req.rid, req.origin_input_ids, req.output_ids, self.export_tree)
+        n = self.policy.config.log_every
+        if n and self.policy.stats.finished % n == 0:
             logger.info("sparse cache: %s", self.format_stats())
+
+    def export_tree(self) -> Iterator[EngineNode]:
+        """SGLang's tree as ``(node_id, parent_id, edge token ids, holds a state)``, parents first."""
+        mamba = ComponentType.MAMBA
+        for n in self.tree_core.iter_nodes():
+            yield n.id, n.parent.id, n.key.raw_token_ids(), n.component_data[mamba].value is not None
+
+    def check_policy_mirror(self) -> None:
+        """Raise ``MirrorError`` unless the policy's mirror equals SGLang's tree (same nodes, parents,
+        edge lengths, states) and every SGLang state is one the policy knows."""
+        self.policy.check(self.export_tree())
+
+    def maybe_check_invariants(self, where: str) -> None:
+        """With ``SGLANG_SPARSE_CHECK_INVARIANTS`` set: check the mirror; count and log violations."""
+        if not self._check:
+            return
+        try:
+            self.check_policy_mirror()
+        except Exception as e:  # noqa: BLE001 - counted, logged and reported in the statistics
+            self.invariant_violations += 1
+            self.last_invariant_error = f"after {where}: {e}"
+            logger.error("sparse cache: invariant violated %s", self.last_invariant_error)
 
     def sparse_stats(self) -> dict[str, Any]:
         """Plain-JSON statistics (the ``sparse_cache`` entry of ``/server_info`` internal states)."""
-        d = self.shadow.snapshot()
+        d = self.policy.snapshot()
         tc = self.tree_core
         states = len(tc.lru_lists[ComponentType.MAMBA].cache)
         kv_tokens = int(tc.full_evictable_size() + tc.full_protected_size())
@@ -265,7 +356,7 @@ class SparseRadixCache(UnifiedRadixCache):
             state_bytes=self._state_bytes,
             kv_bytes_per_token=self._kv_bytes,
             bytes_held=states * self._state_bytes + kv_tokens * self._kv_bytes,
-            budget_bytes=self.shadow.budget_bytes,
+            budget_bytes=self.policy.budget_bytes,
             mamba_pool_size=self._mamba_pool_size,
             mamba_available=int(self.req_to_token_pool.mamba_allocator.available_size()),
             mamba_evictable=int(self.mamba_evictable_size()),
@@ -274,6 +365,9 @@ class SparseRadixCache(UnifiedRadixCache):
             kv_available=int(self.token_to_kv_pool_allocator.available_size()),
             kv_evictable=int(self.full_evictable_size()),
             kv_protected=int(self.full_protected_size()),
+            invariant_checks=self._check,
+            invariant_violations=self.invariant_violations,
+            last_invariant_error=self.last_invariant_error,
         )
         return d
 
@@ -287,6 +381,7 @@ class SparseRadixCache(UnifiedRadixCache):
             f"{d['ckpt_final']} states held={d['states_held']}/{d['mamba_pool_size']} "
             f"kv held={d['kv_tokens_held']} bytes={d['bytes_held']} "
             f"evicted states={d['states_evicted']} kv leaves={d['kv_leaves_evicted']}"
+            + (f" MIRROR ERRORS={d['mirror_errors']}" if d["mirror_errors"] else "")
         )
 
 
@@ -324,7 +419,7 @@ def sparse_prefill_adder_class() -> type:
                 self._sparse_closed = True
                 cache = self._sparse()
                 if cache is not None and cache.next_cut(req, admission.prefix_len) == req.extend_end:
-                    cache.shadow.stats.cuts_applied += 1
+                    cache.policy.stats.cuts_applied += 1
 
         def add_chunked_req(self, req):
             cache = self._sparse()
@@ -342,7 +437,7 @@ def sparse_prefill_adder_class() -> type:
             if out is not None:
                 self._sparse_closed = True
             if cut is not None and req.extend_end == cut:
-                cache.shadow.stats.cuts_applied += 1
+                cache.policy.stats.cuts_applied += 1
             return out
 
         def budget_state(self):

@@ -29,6 +29,9 @@ variable (JSON key)                default    meaning
 (``tune_window``)
 ``SGLANG_SPARSE_LOG_EVERY``         100        log a stats line every N finished requests (0: off)
 (``log_every``)
+``SGLANG_SPARSE_CHECK_INVARIANTS``  0          1: after every checkpoint and eviction, check that the policy's
+(``check_invariants``)                         mirror equals SGLang's tree (O(nodes) each; for tests and
+                                               debugging); violations are logged and counted in the stats
 =================================  =========  ==============================================
 
 This module has no SGLang import (it is unit-testable without the serving stack).
@@ -64,6 +67,7 @@ class SparseConfig:
     min_cut_gain: int = 32
     tune_window: int = 200
     log_every: int = 100
+    check_invariants: bool = False
 
     @property
     def alpha_auto(self) -> bool:
@@ -167,6 +171,17 @@ def _policy(src: str, v: Any) -> str:
     return name
 
 
+def _bool(src: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    t = str(v).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise SparseConfigError(f"{src}={v!r}: expected 0 or 1")
+
+
 def _gamma(src: str, v: Any) -> float:
     x = _float(src, v)
     if not 0.0 < x <= 1.0:
@@ -193,5 +208,6 @@ _PARSERS = {
     "min_cut_gain": lambda s, v: _int(s, v, 0),
     "tune_window": lambda s, v: _int(s, v, 1),
     "log_every": lambda s, v: _int(s, v, 0),
+    "check_invariants": _bool,
 }
 _FIELDS = tuple(_PARSERS)

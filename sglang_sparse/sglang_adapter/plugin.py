@@ -96,14 +96,21 @@ def _cost_model(ctx: Any):
 
 
 def sparse_cache_factory(ctx: Any):
-    """Backend factory (runs in the scheduler): validate, build the policy shadow and the cache."""
+    """Backend factory (runs in the scheduler): validate, build the policy and the cache."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_cache.tree_core_registry import register_tree_core_backend
     from sglang.srt.runtime_context import get_memory, get_serving
 
-    from .cache import SparseFullComponent, SparseMambaComponent, SparseRadixCache
+    from .cache import (
+        TREE_CORE_NAME,
+        SparseFullComponent,
+        SparseMambaComponent,
+        SparseRadixCache,
+        make_sparse_tree_core,
+    )
     from .config import SparseConfig
-    from .shadow import PolicyShadow
+    from .tree_policy import TreePolicy
 
     config = SparseConfig.from_env()  # SparseConfigError names the variable
     p = ctx.params
@@ -152,7 +159,7 @@ def sparse_cache_factory(ctx: Any):
     mamba_slots = int(p.req_to_token_pool.mamba_allocator.available_size())
     kv_tokens = int(p.token_to_kv_pool_allocator.available_size())
     budget = kv_tokens * kv_bytes + mamba_slots * state_bytes
-    shadow = PolicyShadow(
+    policy = TreePolicy(
         config, budget_bytes=budget, cost=cost, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes
     )
 
@@ -161,10 +168,16 @@ def sparse_cache_factory(ctx: Any):
         ComponentType.MAMBA: SparseMambaComponent,
         ComponentType.FULL: SparseFullComponent,
     }
-    p.tree_core_backend = "python"  # component hooks only run under the Python tree core
+    # Component hooks only run under SGLang's Python tree core; ours is that core plus the
+    # structural events the policy's mirror follows.
+    try:
+        register_tree_core_backend(TREE_CORE_NAME, make_sparse_tree_core)
+    except ValueError:  # already registered in this process
+        pass
+    p.tree_core_backend = TREE_CORE_NAME
 
     def build(params):
-        return SparseRadixCache(params, shadow=shadow, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)
+        return SparseRadixCache(params, policy=policy, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)
 
     cache = create_unified_radix_cache(ctx, cache_class=build)
     logger.info(

@@ -15,6 +15,8 @@ view of a caller's array). Invariants (checked by :meth:`RadixTree.check`):
 * ``version`` is bumped whenever the edge's identity changes (its ``key``/``start``/``parent`` after a
   split or merge, or death): a :class:`~sglang_sparse.tree.MatchResult` recorded with the same
   versions still describes a valid path (used by ``RadixTree.insert(..., hint=match)``).
+* ``plan_fresh``: every depth the edge observed since its last re-plan was its ``end`` and the plan
+  holds ``end``; re-solving would return the same plan (see :meth:`RadixTree.observe`).
 * ``heap_key`` is the ``last_access`` of this node's newest entry in the tree's LRU leaf heap
   (``-1`` if it has none); maintained by :class:`RadixTree` only.
 """
@@ -180,6 +182,7 @@ class Node:
         "last_access",
         "hist",
         "plan",
+        "plan_fresh",
         "version",
         "alive",
         "heap_key",
@@ -202,6 +205,7 @@ class Node:
         self.last_access = clock
         self.hist: DepthHistogram | None = None
         self.plan: tuple[int, ...] = ()
+        self.plan_fresh = False
         self.version = 0
         self.alive = True
         self.heap_key = -1

@@ -342,6 +342,14 @@ class RadixTree:
     (plus its merge step), never enumerating all nodes. :meth:`node_bytes` is O(1).
     """
 
+    #: Skip a due re-plan of an edge whose observations since its last re-plan were all at its end
+    #: while its plan holds the end (``Node.plan_fresh``): the DP's optimum is then unchanged (the
+    #: end's mass costs nothing to a plan holding the end, and the EW decay scales every other depth
+    #: alike). Ancestors of a match observe their end (see the module docstring), so along a deep
+    #: chain (a long multi-turn session) this removes almost every re-plan of a request. ``False``
+    #: re-solves every time (the differential tests compare both).
+    skip_fresh_replans = True
+
     def __init__(
         self,
         kv_bytes_per_token: int,
@@ -469,10 +477,16 @@ class RadixTree:
                 self._sync_evictable(node)
             if node.hist is None:
                 node.hist = DepthHistogram(self.gamma, self.refresh)
-            due = node.hist.observe(min(d, node.end))
+            obs = min(d, node.end)
+            due = node.hist.observe(obs)
+            if obs != node.end:
+                node.plan_fresh = False
             if due or node.hist.observations <= self.refresh:  # plan early on young edges
-                self.replan(node)
-                replanned.append(node)
+                if node.plan_fresh and self.skip_fresh_replans:
+                    node.hist.mark_refreshed()  # same plan: see the class docstring
+                else:
+                    self.replan(node)
+                    replanned.append(node)
         if match.ckpt_node is not None and match.resume_depth in match.ckpt_node.ckpt_access:
             match.ckpt_node.ckpt_access[match.resume_depth] = now
         return replanned
@@ -493,6 +507,7 @@ class RadixTree:
         d, w = self.edge_law(node)
         law = DepthLaw.from_depths(d, w, cands, node.start)
         node.plan = solve_dp(law, self.plan_budget).positions if cands.size else ()
+        node.plan_fresh = self.law_provider is None and bool(node.plan) and node.plan[-1] == node.end
         if node.hist is not None:
             node.hist.mark_refreshed()
         return node.plan
@@ -560,6 +575,7 @@ class RadixTree:
         if node.plan:
             up.plan = tuple(p for p in node.plan if p <= at)
             node.plan = tuple(p for p in node.plan if p > at)
+        node.plan_fresh = False
         node.version += 1
         self.num_nodes += 1
         return up
@@ -777,6 +793,7 @@ class RadixTree:
         parent = node.parent
         child.hist = _merge_hist(node.hist, child.hist, node.end)
         child.plan = node.plan + child.plan
+        child.plan_fresh = False
         child.key = np.concatenate([node.key, child.key])
         child.kv = self.kv_ops.concat(node.kv, child.kv)
         child.start = node.start
@@ -907,7 +924,7 @@ class RadixTree:
             count += 1
             assert n.alive and n.num_tokens > 0
             assert n.start == n.parent.end, n
-            assert n.parent.children[int(n.key[0])] is n
+            assert n.parent.children[n.key.item(0)] is n
             kv_tokens += n.num_tokens
             states += len(n.checkpoints)
             assert set(n.checkpoints) == set(n.ckpt_access)

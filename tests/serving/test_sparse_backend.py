@@ -96,6 +96,15 @@ def sparse_stats(srv: SGLangServer) -> dict:
     return server_info(srv)["internal_states"][0]["sparse_cache"]
 
 
+def assert_one_tree(s: dict) -> None:
+    """The policy's mirror equalled SGLang's tree after every checkpoint and eviction (checked in
+    the server, ``SGLANG_SPARSE_CHECK_INVARIANTS=1``), and no engine event missed the mirror."""
+    assert s["invariant_checks"], "the server must run with SGLANG_SPARSE_CHECK_INVARIANTS=1"
+    assert s["invariant_violations"] == 0, s["last_invariant_error"]
+    assert s["mirror_errors"] == 0, s
+    assert s["policy_states"] == s["states_held"], s
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next_sparse"), arch="qwen3_next", seed=0)
@@ -109,10 +118,12 @@ def _start(
     kv_tokens: int = KV_TOKENS,
     state_slots: int = STATE_SLOTS,
 ) -> SGLangServer:
+    # Every sparse server checks the policy mirror against SGLang's tree after each checkpoint and
+    # eviction (``sparse_stats(...)["invariant_violations"]`` must stay 0).
     srv = SGLangServer(
         model_dir,
         extra_args=[*CHUNK, *extra],
-        env=env,
+        env={"SGLANG_SPARSE_CHECK_INVARIANTS": "1", **(env or {})},
         context_length=CONTEXT,
         max_total_tokens=kv_tokens,
         max_mamba_cache_size=state_slots,
@@ -187,6 +198,7 @@ def test_sparse_reuses_prefixes(results) -> None:
     assert s["requests"] >= len(workload()) and s["resume_tokens"] > 0
     assert s["resume_tokens"] <= s["kv_hit_tokens"] <= s["input_tokens"]
     assert s["states_held"] <= STATE_SLOTS and s["kv_tokens_held"] <= KV_TOKENS
+    assert_one_tree(s)
 
 
 def test_partial_overlap_issue_22935(results) -> None:
@@ -254,12 +266,15 @@ def test_concurrent_storm_no_leak(storm_server: SGLangServer) -> None:
     assert s["kv_available"] + s["kv_evictable"] == s["kv_pool_size"], s
     assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
     assert s["states_evicted"] + s["kv_leaves_evicted"] > 0, "the storm should have forced evictions"
+    assert_one_tree(s)
     # After a flush every slot is back to its start value.
     assert srv.flush_cache()
     s2 = _idle(srv)
     assert s2["kv_available"] == s2["kv_pool_size"] >= start["kv_available"], (start, s2)
     assert s2["mamba_available"] == s2["mamba_pool_size"] >= start["mamba_available"], (start, s2)
     assert s2["states_held"] == 0 and s2["kv_tokens_held"] == 0
+    assert_one_tree(s2)
+    assert s2["policy_nodes"] == 0
 
 
 def test_kv_pool_pressure_evicts_in_policy_order_exactly(model_dir: Path) -> None:
@@ -280,6 +295,7 @@ def test_kv_pool_pressure_evicts_in_policy_order_exactly(model_dir: Path) -> Non
         assert s["kv_eviction_walks"] > 0, "the KV pool should have run short"
         assert s["kv_tokens_held"] <= s["kv_pool_size"]
         assert s["kv_available"] + s["kv_evictable"] == s["kv_pool_size"], s
+        assert_one_tree(s)
         assert srv.flush_cache()
         s2 = _idle(srv)
         assert s2["kv_available"] == s2["kv_pool_size"] and s2["mamba_available"] == s2["mamba_pool_size"]

@@ -1,0 +1,495 @@
+"""The policy side of the ``sparse`` backend, on a mirror of SGLang's own tree (no SGLang import).
+
+SGLang's ``UnifiedRadixCache`` is the one authority on what is cached (tokens, KV indices, Mamba
+pool slots, locks). The policy keeps, next to it, a :class:`~sglang_sparse.tree.MirrorTree`: one
+token-free node per SGLang node, keyed by SGLang's node id and changed only by SGLang's structural
+events (new node, split, leaf removed, state attached, state freed, reset). On it runs the very
+code the simulator runs, through :class:`~sglang_sparse.policy.HybridCache`:
+
+* **capture** -- :meth:`TreePolicy.plan`: once per request, from SGLang's own match (the node its KV
+  match ends on, the KV and state-aligned depths) with no token re-matched: ``observe`` (clock,
+  recency, per-edge depth histograms, DP re-plans, tail prior) + ``capture_plan``;
+* **keep** -- :meth:`TreePolicy.admit`: a mid-request checkpoint is kept iff its position is planned;
+  finish states always;
+* **evict** -- :meth:`TreePolicy.eviction_order` / :meth:`TreePolicy.state_key`: the states in the
+  order of the policy's :class:`~sglang_sparse.policy.Evictor` (same candidates, same normalised
+  ``recency + alpha * FLOPs/byte`` score), read lazily from its incremental candidate index;
+* **alpha** -- :meth:`TreePolicy.finish` feeds the tuning window; a tuning run replays it on a
+  simulator copy of SGLang's tree taken (flat, node by node) when the window began, in a worker
+  thread, and its alpha is applied at a fixed logical time (``tune_window // 4`` finished requests
+  after the window closed), so every TP rank applies the same alpha at the same request.
+
+Memory: O(nodes) for the mirror; the tuning window holds the token ids of its requests (the
+replay's input) and the snapshot of the tree it replays from, while a window is open.
+Everything is a deterministic function of the request stream: logical clocks, no wall time.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from sglang_sparse.policy import AlphaTuner, Evictor, HybridCache, ModelCostModel, get_policy
+from sglang_sparse.tree import MirrorError, MirrorTree, Node, RadixTree
+
+from .config import SparseConfig
+
+logger = logging.getLogger("sglang_sparse")
+
+#: Plans kept for requests that were never released (aborted while waiting): bounded.
+_MAX_PLANS = 65536
+
+#: ``(node_id, parent_id, edge token ids, holds a state)`` of every non-root engine node, parents
+#: before children: how the engine describes its tree for checks and tuning snapshots.
+EngineNode = tuple[int, int, Any, bool]
+
+
+@dataclass
+class RequestPlan:
+    """Capture plan of one request (absolute token positions)."""
+
+    input_len: int
+    positions: tuple[int, ...]  # the policy's plan, (resume, total]
+    cuts: tuple[int, ...]  # planned positions strictly inside the prompt (after the resume point)
+    engine_prefix: int = 0
+    engine_kv: int = 0
+
+
+@dataclass
+class PolicyStats:
+    """Counters (plain ints) of the backend; see :meth:`TreePolicy.snapshot`."""
+
+    requests: int = 0
+    finished: int = 0
+    hit_requests: int = 0
+    input_tokens: int = 0
+    resume_tokens: int = 0  # SGLang device_prefix_len (state-aligned, what is really skipped)
+    kv_hit_tokens: int = 0  # SGLang full_kv_hit_length (KV match, needs a state to be usable)
+    planned_positions: int = 0
+    cuts_applied: int = 0
+    ckpt_admitted: int = 0
+    ckpt_rejected: int = 0
+    ckpt_final: int = 0
+    states_inserted: int = 0
+    states_evicted: int = 0
+    kv_leaves_evicted: int = 0
+    eviction_walks: int = 0
+    kv_eviction_walks: int = 0
+    #: states SGLang evicted that the policy offered no score for (SGLang LRU fallback)
+    unscored_evictions: int = 0
+    #: engine events that did not fit the mirror (must stay 0; each one is logged)
+    mirror_errors: int = 0
+    alpha_tunes: list[tuple[int, float]] = field(default_factory=list)
+    #: tuning windows closed (each took a snapshot of SGLang's tree when it began)
+    tune_windows: int = 0
+    #: tuning replays started (a window whose hit rate drifted, or the first one)
+    tune_runs: int = 0
+    tune_failures: int = 0
+
+
+class TreePolicy:
+    """Policy state and decisions of the ``sparse`` backend (see the module docstring).
+
+    ``root_id``: SGLang's root node id (the mirror's root). Events come from the SGLang adapter
+    (:mod:`.cache`): :meth:`on_node_added`, :meth:`on_node_split`, :meth:`on_leaf_removed`,
+    :meth:`on_state_set`, :meth:`on_state_freed`, :meth:`on_insert`, :meth:`reset`.
+    """
+
+    def __init__(
+        self,
+        config: SparseConfig,
+        *,
+        budget_bytes: int,
+        cost: ModelCostModel | None = None,
+        kv_bytes_per_token: int | None = None,
+        state_bytes: int | None = None,
+        root_id: int = 0,
+    ) -> None:
+        self.config = config
+        self.spec = get_policy(config.policy)
+        self.cost = cost
+        self._kv_bytes = int(
+            kv_bytes_per_token if kv_bytes_per_token is not None else cost.kv_bytes_per_token
+        )
+        self._state_bytes = int(state_bytes if state_bytes is not None else cost.state_bytes)
+        self.budget_bytes = max(int(budget_bytes), self._state_bytes)
+        self.tuner: AlphaTuner | None = None
+        self.tuning = self.spec.flop_aware and config.alpha_auto
+        self.stats = PolicyStats()
+        self._executor: ThreadPoolExecutor | None = None
+        self._alpha = 0.0 if not self.spec.flop_aware or config.alpha is None else float(config.alpha)
+        self.reset(root_id)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _hybrid_cache(self, tree: RadixTree) -> HybridCache:
+        """A :class:`HybridCache` with this backend's options over ``tree``."""
+        cache = HybridCache(
+            self.spec,
+            budget_bytes=self.budget_bytes,
+            cost=self.cost,
+            kv_bytes_per_token=self._kv_bytes,
+            state_bytes=self._state_bytes,
+            gamma=self.config.gamma,
+            refresh=self.config.refresh,
+            plan_budget=self.config.edge_budget,
+            grid=self.config.grid,
+            min_cut_gain=self.config.min_cut_gain,
+        )
+        if tree is not cache.tree:
+            cache.tree = tree
+            cache.evictor = Evictor(
+                tree, self.spec.eviction, self.cost, 0.0, capacity_bytes=self.budget_bytes
+            )
+        if self.spec.flop_aware:
+            cache.alpha = self._alpha
+        return cache
+
+    def reset(self, root_id: int) -> None:
+        """Forget everything cached (SGLang ``reset`` / ``flush_cache``); counters and alpha stay."""
+        mirror = MirrorTree(
+            self._kv_bytes,
+            self._state_bytes,
+            root_id=root_id,
+            gamma=self.config.gamma,
+            refresh=self.config.refresh,
+            plan_budget=self.config.edge_budget,
+            grid=self.config.grid,
+        )
+        self.mirror = mirror
+        self.cache = self._hybrid_cache(mirror)
+        mirror.on_change = self.cache.evictor.touch
+        self._plans: OrderedDict[str, RequestPlan] = OrderedDict()
+        self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=self.config.tune_window)
+        self._window_hits: deque[float] = deque(maxlen=self.config.tune_window)
+        self._since_tune = 0
+        self._snapshot: HybridCache | None = None
+        self._pending_tune: tuple[int, Future] | None = None
+        self._walk: tuple[int, np.ndarray] | None = None
+
+    @property
+    def alpha(self) -> float:
+        return self.cache.alpha
+
+    def close(self) -> None:
+        """Stop the tuning worker (pending results are dropped)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ engine events
+
+    def _guard(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a mirror event; a misfit is counted and logged (loud), never raised into SGLang."""
+        try:
+            return fn(*args)
+        except MirrorError as e:
+            self.stats.mirror_errors += 1
+            logger.error("sparse cache: mirror drift on %s: %s", what, e)
+            return None
+
+    def on_node_added(self, node_id: int, parent_id: int, length: int, first: int) -> None:
+        self._guard("add", self.mirror.add_node, node_id, parent_id, length, first)
+
+    def on_node_split(self, child_id: int, upper_id: int, k: int, lower_first: int) -> None:
+        self._guard("split", self.mirror.split_node, child_id, upper_id, k, lower_first)
+
+    def on_leaf_removed(self, node_id: int) -> None:
+        self.stats.kv_leaves_evicted += 1
+        self._guard("remove", self.mirror.remove_leaf, node_id)
+
+    def on_state_set(self, node_id: int) -> None:
+        if self._guard("state", self.mirror.set_state, node_id):
+            self.stats.states_inserted += 1
+
+    def on_state_freed(self, node_id: int) -> None:
+        if self.mirror.drop_state(node_id):
+            self.stats.states_evicted += 1
+
+    def on_insert(self, node_id: int) -> None:
+        """A checkpoint inserted through ``node_id`` (its path's recency, as the simulator's insert)."""
+        self._guard("insert", self.mirror.touch_path, node_id)
+
+    def check(self, engine_nodes: Iterable[EngineNode]) -> None:
+        """Assert that the mirror equals the engine's tree (:class:`MirrorError` otherwise)."""
+        self.mirror.check_against((nid, pid, len(key), bool(st)) for nid, pid, key, st in engine_nodes)
+
+    # ------------------------------------------------------------------ capture
+
+    def plan(
+        self,
+        rid: str,
+        input_len: int,
+        max_new_tokens: int,
+        *,
+        kv_node_id: int | None,
+        engine_kv: int,
+        engine_prefix: int,
+    ) -> RequestPlan:
+        """The request's capture plan from SGLang's match of its prompt (``kv_node_id``: the node
+        its KV match ends on, at depth ``engine_kv``; ``engine_prefix``: the state-aligned depth it
+        resumes from). The first call per ``rid`` observes the match; later calls return the plan."""
+        p = self._plans.get(rid)
+        if p is not None:
+            return p
+        n = int(input_len)
+        m = self._guard("match", self.mirror.match_result, kv_node_id, int(engine_kv), int(engine_prefix))
+        if m is None:
+            m = self.mirror.match_result(None, 0, 0)
+        self.cache.observe(m)
+        positions = tuple(self.cache.capture_plan(m, n, n + max(int(max_new_tokens), 0)))
+        cuts = tuple(q for q in positions if engine_prefix < q < n)
+        p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv))
+        self._plans[rid] = p
+        if len(self._plans) > _MAX_PLANS:
+            self._plans.popitem(last=False)
+        s = self.stats
+        s.requests += 1
+        s.hit_requests += int(engine_prefix > 0)
+        s.input_tokens += n
+        s.resume_tokens += int(engine_prefix)
+        s.kv_hit_tokens += int(engine_kv)
+        s.planned_positions += len(positions)
+        return p
+
+    def get_plan(self, rid: str) -> RequestPlan | None:
+        return self._plans.get(rid)
+
+    def has_plan(self, rid: str) -> bool:
+        return rid in self._plans
+
+    def next_cut(self, rid: str, prefix_len: int) -> int | None:
+        """Smallest planned cut strictly after ``prefix_len`` (``None``: no cut)."""
+        p = self._plans.get(rid)
+        if p is None:
+            return None
+        for c in p.cuts:
+            if c > prefix_len:
+                return c
+        return None
+
+    # ------------------------------------------------------------------ keep
+
+    def admit(self, rid: str, position: int, *, finished: bool) -> bool:
+        """Keep the checkpoint of ``rid`` at ``position``? Final states always; others iff planned.
+        A request without a plan (not admitted through our adder) keeps SGLang's behaviour."""
+        if finished:
+            self.stats.ckpt_final += 1
+            return True
+        p = self._plans.get(rid)
+        ok = p is None or position in p.positions
+        if ok:
+            self.stats.ckpt_admitted += 1
+        else:
+            self.stats.ckpt_rejected += 1
+        return ok
+
+    # ------------------------------------------------------------------ evict
+
+    def _round(self) -> tuple[np.ndarray, list[Node], np.ndarray, np.ndarray]:
+        """The eviction round a walk starting now would use: a private copy of every candidate's
+        key (``-inf`` for unservable ones; lowest evicted first), its node, kind and position."""
+        idx = self.cache.evictor.index
+        idx.sync()
+        n = idx.n
+        if n == 0:
+            return np.empty(0), [], np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        _, key, _ = idx.round_scores(self.cache.evictor.alpha)
+        return key.copy(), idx.node[:n], idx.kind[:n].copy(), idx.pos[:n].copy()
+
+    def eviction_order(self) -> Iterator[int]:
+        """State handles (SGLang node ids) in the policy's eviction order, lazily: the first costs
+        one vectorised pass over the candidates; later ones come in chunks of growing size. A
+        handle covered by several candidates comes at its lowest key. The caller skips handles that
+        are locked or gone and falls back to its own order when this runs out."""
+        self.stats.eviction_walks += 1
+        key, nodes, kind, pos = self._round()
+        uid = np.fromiter((nd.uid for nd in nodes), dtype=np.int64, count=len(nodes))
+        rem = key.copy()
+        left, k, seen = len(rem), 1, set()
+        while left:
+            if k >= left:
+                sel = np.flatnonzero(rem != np.inf)
+            elif k == 1:
+                sel = np.flatnonzero(rem == rem.min())
+            else:
+                sel = np.flatnonzero(rem <= np.partition(rem, k - 1)[k - 1])
+            if len(sel) > 1:
+                sel = sel[np.lexsort((kind[sel], pos[sel], uid[sel], rem[sel]))]
+            rem[sel] = np.inf
+            left -= len(sel)
+            k *= 8
+            for i in sel.tolist():
+                for h in nodes[i].checkpoints.values():
+                    if h not in seen:
+                        seen.add(h)
+                        yield h
+
+    def state_key_fn(self) -> Callable[[int], float | None]:
+        """A function: SGLang node id -> the policy key of the state it holds (lowest evicted
+        first; ``-inf`` unservable), ``None`` if the policy offers no candidate for it. Valid for
+        one eviction walk (the round's scores are frozen when this is called)."""
+        key, nodes, _, _ = self._round()
+        rows: dict[int, list[int]] | None = None
+
+        def fn(node_id: int) -> float | None:
+            nonlocal rows
+            if rows is None:  # built on first use: row lists per node
+                rows = {}
+                for i, nd in enumerate(nodes):
+                    rows.setdefault(nd.uid, []).append(i)
+            r = rows.get(node_id)
+            if not r:
+                return None
+            return float(min(key[i] for i in r))
+
+        return fn
+
+    # ------------------------------------------------------------------ finish / alpha
+
+    def finish(
+        self,
+        rid: str,
+        input_ids: Sequence[int],
+        output_ids: Sequence[int],
+        export_tree: Callable[[], Iterable[EngineNode]] | None = None,
+    ) -> None:
+        """A request left the engine: drop its plan, feed the alpha tuner's window.
+
+        ``export_tree`` describes SGLang's tree (parents first) for the tuning snapshot; it is
+        called once per window, when the window begins. Never raises: a tuning failure is logged
+        and the alpha in use is kept."""
+        p = self._plans.pop(rid, None)
+        self.stats.finished += 1
+        if not self.tuning:
+            return
+        try:
+            self._apply_due_tune()
+            if p is None or export_tree is None:
+                return
+            if self._since_tune == 0:  # a window begins: it replays from this state (warm)
+                self._snapshot = self.engine_snapshot(export_tree())
+            inp = np.asarray(input_ids, dtype=np.int32)
+            self._window.append((inp, np.concatenate([inp, np.asarray(output_ids, dtype=np.int32)])))
+            self._window_hits.append(p.engine_prefix / max(p.input_len, 1))
+            self._since_tune += 1
+            if self._since_tune < self.config.tune_window:
+                return
+            hr = float(np.mean(self._window_hits))
+            self.stats.tune_windows += 1
+            if self.tuner is not None and self.stats.alpha_tunes and not self.tuner.should_retune(hr):
+                self._since_tune = 0
+                self._snapshot = None
+                return
+            self._start_tune()
+        except Exception:  # noqa: BLE001 - tuning must never take the scheduler down
+            self.stats.tune_failures += 1
+            logger.exception("sparse cache: alpha tuning failed; keeping alpha=%s", self.alpha)
+            self._since_tune = 0
+            self._snapshot = None
+
+    def _start_tune(self) -> None:
+        from sglang_sparse.sim.simulator import warm_replay_score
+
+        if self.tuner is None:
+            self.tuner = AlphaTuner(window=self.config.tune_window, workers=1)
+        evaluate = functools.partial(warm_replay_score, self._snapshot, list(self._window), self.cost)
+        current = self.cache.alpha if self.stats.alpha_tunes else None
+        at = self.stats.finished
+        apply_at = at + max(1, self.config.tune_window // 4)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparse-alpha")
+        fut = self._executor.submit(self.tuner.tune, evaluate, at_request=at, current=current)
+        self.stats.tune_runs += 1
+        self._pending_tune = (apply_at, fut)
+        self._since_tune = 0
+        self._snapshot = None
+
+    def _apply_due_tune(self) -> None:
+        """Apply a finished tuning run's alpha at its logical time (waits for it if needed)."""
+        if self._pending_tune is None or self.stats.finished < self._pending_tune[0]:
+            return
+        _, fut = self._pending_tune
+        self._pending_tune = None
+        try:
+            a = float(fut.result())
+        except Exception:  # noqa: BLE001
+            self.stats.tune_failures += 1
+            logger.exception("sparse cache: alpha tuning run failed; keeping alpha=%s", self.alpha)
+            return
+        self.cache.alpha = a
+        self._alpha = a
+        self.stats.alpha_tunes.append((self.stats.finished, a))
+
+    def engine_snapshot(self, engine_nodes: Iterable[EngineNode]) -> HybridCache:
+        """A simulator :class:`HybridCache` (a plain :class:`RadixTree` with tokens) equal to the
+        engine's tree plus this policy's per-node state (recency, histograms, plans, checkpoint
+        clocks) and tail prior: what a warm tuning replay starts from. Built node by node
+        (parents first), iteratively; copies each edge's tokens once."""
+        src = self.mirror
+        snap = self._hybrid_cache(
+            RadixTree(
+                self._kv_bytes,
+                self._state_bytes,
+                gamma=self.config.gamma,
+                refresh=self.config.refresh,
+                plan_budget=self.config.edge_budget,
+                grid=self.config.grid,
+            )
+        )
+        tree = snap.tree
+        by_id: dict[int, Node] = {src.root.uid: tree.root}
+        for nid, pid, key, _ in engine_nodes:
+            m = src.get(nid)
+            parent = by_id.get(pid)
+            if m is None or parent is None:
+                raise MirrorError(f"engine node {nid} (parent {pid}) is not in the mirror")
+            k = np.array(key, dtype=np.int32)
+            node = Node(nid, k, parent.end, parent, None, m.last_access)
+            parent.children[int(k[0])] = node
+            by_id[nid] = node
+            node.hist = copy.deepcopy(m.hist)
+            node.plan = m.plan
+            for p, h in m.checkpoints.items():
+                node.checkpoints[p] = h
+                node.ckpt_access[p] = m.ckpt_access[p]
+            tree.kv_tokens += len(k)
+            tree.num_states += len(m.checkpoints)
+            tree.num_nodes += 1
+        tree.clock = src.clock
+        tree._uid = max(src._uid, max(by_id))  # noqa: SLF001 - uids are the engine's node ids
+        for node in by_id.values():
+            if node.parent is not None and not node.children:
+                tree.leaves.add(node)
+            tree._sync_evictable(node)  # noqa: SLF001 - index of a tree built node by node
+        snap.tail = copy.deepcopy(self.cache.tail)
+        return snap
+
+    # ------------------------------------------------------------------ stats
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        tree = self.mirror
+        out: dict[str, Any] = {"policy": self.spec.name, "alpha": self.cache.alpha}
+        for f in fields(PolicyStats):
+            v = getattr(s, f.name)
+            out[f.name] = [list(x) for x in v] if f.name == "alpha_tunes" else v
+        out.update(
+            policy_states=tree.num_states,
+            policy_kv_tokens=tree.kv_tokens,
+            policy_nodes=tree.num_nodes,
+            pending_plans=len(self._plans),
+            tuning_pending=self._pending_tune is not None,
+        )
+        return out
+
+
+__all__ = ["EngineNode", "PolicyStats", "RequestPlan", "TreePolicy"]

@@ -1,0 +1,179 @@
+"""MirrorTree + TreePolicy driven by :class:`~sglang_sparse.testing.mini_engine.MiniEngine`, a small
+token radix tree with SGLang's structural-event semantics (no SGLang)."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+
+import numpy as np
+import pytest
+
+from sglang_sparse.policy.eviction import CKPT
+from sglang_sparse.sglang_adapter.config import SparseConfig
+from sglang_sparse.sglang_adapter.tree_policy import TreePolicy
+from sglang_sparse.sim import cost_model
+from sglang_sparse.testing.mini_engine import MiniEngine
+from sglang_sparse.tree import MirrorError, MirrorTree
+
+KV_B, STATE_B = 10, 500
+
+
+def _policy(name: str = "sparse", **kw) -> TreePolicy:
+    cost = cost_model("qwen3-next-80b-a3b")
+    cfg = SparseConfig(policy=name, **kw)
+    return TreePolicy(cfg, budget_bytes=50_000, cost=cost, kv_bytes_per_token=KV_B, state_bytes=STATE_B)
+
+
+def _random_ops(eng: MiniEngine, rng: random.Random, steps: int) -> None:
+    bases = [[rng.randrange(50) for _ in range(rng.randrange(5, 120))] for _ in range(6)]
+    for step in range(steps):
+        op = rng.random()
+        if op < 0.6:
+            b = bases[rng.randrange(len(bases))]
+            cut = rng.randrange(1, len(b) + 1)
+            toks = b[:cut] + [rng.randrange(50) for _ in range(rng.randrange(0, 40))]
+            node, d, resume = eng.match(toks)
+            rid = f"r{step}"
+            eng.policy.plan(rid, len(toks), 4, kv_node_id=node.id, engine_kv=d, engine_prefix=resume)
+            eng.insert(toks)
+            eng.policy.finish(rid, toks, [1, 2])
+        elif op < 0.8:
+            leaves = [n for n in eng.nodes() if not n.children]
+            if leaves:
+                eng.remove_leaf(rng.choice(leaves))
+        else:
+            held = [n for n in eng.nodes() if n.state]
+            if held:
+                eng.free_state(rng.choice(held))
+        eng.policy.check(eng.export())
+
+
+@pytest.mark.parametrize("name", ["sparse", "lru", "marconi", "sglang_native"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mirror_follows_engine_events(name: str, seed: int) -> None:
+    pol = _policy(name)
+    eng = MiniEngine(pol)
+    _random_ops(eng, random.Random(seed), 300)
+    assert pol.stats.mirror_errors == 0
+    assert pol.mirror.num_states == sum(n.state for n in eng.nodes())
+    # The eviction order covers exactly the states the policy scores, each once, all held.
+    order = list(pol.eviction_order())
+    assert len(order) == len(set(order))
+    held = {n.id for n in eng.nodes() if n.state}
+    assert set(order) <= held
+
+
+@pytest.mark.parametrize("name", ["sparse", "lru", "marconi", "sglang_native"])
+def test_eviction_order_equals_simulator_evictor(name: str) -> None:
+    """The mirror's order is the simulator's: a simulator cache built from the engine's tree
+    (tokens, node by node) scores the same candidates identically."""
+    pol = _policy(name, alpha=1.0 if name in ("sparse", "marconi") else 0.0)
+    eng = MiniEngine(pol)
+    _random_ops(eng, random.Random(7), 200)
+    sim = pol.engine_snapshot(eng.export())
+    sim.tree.check()
+    want: list[int] = []
+    best: dict[int, float] = {}  # lowest key per handle (-inf: unservable)
+    for c in sim.evictor.scores():
+        for h in c.node.checkpoints.values() if c.kind != CKPT else [c.node.checkpoints[c.pos]]:
+            k = -math.inf if c.unservable else c.score
+            best[h] = min(best.get(h, math.inf), k)
+            if h not in want:
+                want.append(h)
+    assert want, "the random workload should leave evictable states"
+    assert list(pol.eviction_order()) == want
+    key = pol.state_key_fn()
+    scored = {h: s for h in want if (s := key(h)) is not None}
+    assert scored == best
+    keys = [scored[h] for h in want]
+    assert keys == sorted(keys)  # a handle comes at its lowest candidate key
+
+
+def test_mirror_rejects_events_that_do_not_fit() -> None:
+    pol = _policy()
+    eng = MiniEngine(pol)
+    eng.insert([1, 2, 3])
+    with pytest.raises(MirrorError):
+        pol.mirror.add_node(999, 12345, 3, 7)  # unknown parent
+    pol.on_node_added(999, 12345, 3, 7)  # through the policy: counted, not raised
+    assert pol.stats.mirror_errors == 1
+    eng.root.children[1].state = False  # the engine changed without telling the mirror
+    with pytest.raises(MirrorError, match="holds a state"):
+        pol.check(eng.export())
+
+
+def test_mirror_holds_no_tokens_and_is_o_nodes() -> None:
+    pol = _policy()
+    eng = MiniEngine(pol)
+    doc = list(range(32_000))
+    for q in range(50):
+        eng.insert(doc + [40_000 + q])
+    m = pol.mirror
+    assert m.num_nodes == 51 and m.kv_tokens == 32_050
+    for n in m.nodes():
+        assert not isinstance(n.key, np.ndarray) and len(n.key) == n.num_tokens
+    with pytest.raises(MirrorError):
+        m.path_tokens(next(m.nodes()))
+
+
+def test_deep_chain_no_recursion() -> None:
+    """A 100,000-turn session is a 100,000-node chain: events, paths, checks and the tuning
+    snapshot stay iterative (far below the default recursion limit)."""
+    depth = 100_000
+    assert depth > 10 * sys.getrecursionlimit()
+    m = MirrorTree(KV_B, STATE_B, root_id=0)
+    for i in range(1, depth + 1):
+        m.add_node(i, i - 1, 2, i)
+        m.set_state(i)
+    assert len(m.path_to(depth)) == depth
+    m.touch_path(depth)
+    m.check_against((i, i - 1, 2, True) for i in range(1, depth + 1))
+    mr = m.match_result(depth, 2 * depth, 2 * depth)
+    assert mr.resume_depth == 2 * depth and len(mr.path) == depth
+    m.remove_leaf(depth)
+    assert m.num_nodes == depth - 1
+
+
+def test_alpha_tuning_on_a_deep_chain() -> None:
+    """A 3,000-turn session (a 3,000-node chain, 3x the default recursion limit): windows snapshot
+    the engine's tree, the replay runs in the worker and its alpha is applied at its logical time,
+    without a failure."""
+    depth, window = 3000, 10
+    pol = _policy("sparse", tune_window=window)
+    pol.reset(0)
+    keys: dict[int, list[int]] = {}
+
+    def export():
+        return [(i, i - 1, keys[i], True) for i in range(1, len(keys) + 1)]
+
+    d = 0
+    for i in range(1, depth + 1):
+        pol.plan(f"r{i}", d + 10, 2, kv_node_id=i - 1 if i > 1 else None, engine_kv=d, engine_prefix=d)
+        keys[i] = [i % 50_000 + 1] + [7] * 9
+        pol.on_node_added(i, i - 1, 10, keys[i][0])
+        pol.on_state_set(i)
+        pol.on_insert(i)
+        d += 10
+        if i > depth - 3 * window:  # tune near the bottom of the chain
+            pol.finish(f"r{i}", list(range(d - 10)), [1, 2], export)
+        else:
+            pol.finish(f"r{i}", [], [])
+    pol.close()
+    s = pol.stats
+    assert s.tune_windows >= 2 and s.tune_runs >= 1 and s.tune_failures == 0, s
+    assert s.alpha_tunes and s.alpha_tunes[0][0] > depth - 2 * window, s.alpha_tunes
+
+
+def test_match_result_after_a_later_split() -> None:
+    """SGLang's match is recorded before the request is planned; another request may split the
+    matched edge in between (the child keeps its id): the depth is found in the upper part."""
+    m = MirrorTree(KV_B, STATE_B, root_id=0)
+    m.add_node(1, 0, 100, 5)
+    m.set_state(1)
+    m.split_node(1, 2, 40, 9)  # node 2 = depths (0, 40], node 1 = (40, 100]
+    r = m.match_result(1, 30, 0)
+    assert r.node.uid == 2 and r.kv_depth == 30 and r.resume_depth == 0
+    r = m.match_result(1, 100, 100)
+    assert r.node.uid == 1 and r.resume_depth == 100 and [n.uid for n in r.path] == [2, 1]
