@@ -130,9 +130,11 @@ class CandidateTerms:
 
     # ------------------------------------------------------------------ values
 
-    def _ckpt_flops(self, node: Node, pos: int) -> float:
-        """FLOPs saved by the checkpoint at ``pos`` per hit (times ``1 + law mass`` for ``value='law'``)."""
-        fb = self.tree.fallback_depth(node, pos)
+    def _ckpt_flops(self, node: Node, pos: int, fb: int | None = None) -> float:
+        """FLOPs saved by the checkpoint at ``pos`` per hit (times ``1 + law mass`` for ``value='law'``).
+        ``fb``: the fallback depth (``tree.fallback_depth(node, pos)``) when the caller knows it."""
+        if fb is None:
+            fb = self.tree.fallback_depth(node, pos)
         per_hit = self.cost.node_flops_saved(pos, fb)
         if self.config.value == "marconi":
             return per_hit

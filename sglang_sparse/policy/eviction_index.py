@@ -38,6 +38,13 @@ properties of :class:`~sglang_sparse.tree.RadixTree` (checked by the differentia
    counts of every registered node; O(n), ~1 us/node); should the totals still disagree, the index
    is rebuilt from scratch (O(n) scoring, the reference round's cost).
 
+Refreshing a found node is skipped when nothing its rows read changed (:meth:`CandidateIndex._needs_refresh`:
+same checkpoints, clocks, children, lock and inherited fallback, and its rows do not read the
+``last_access`` that changed): along a long path every request rewrites ``last_access`` on every
+node, but for per-state recency (``ckpt_recency="own"``) only the leaf's rows read it. A node's
+inherited fallback is its parent's cached ``down`` (parents are refreshed before children), not a
+walk up the path: a refresh is O(1) however long the path above it is without a checkpoint.
+
 Back-to-back evictions (nothing else touched the tree) cost step 3 plus a few counter comparisons.
 Unsupported: writing node fields directly instead of calling ``RadixTree`` methods -- call
 :meth:`Evictor.invalidate` afterwards.
@@ -68,7 +75,7 @@ _UNKNOWN = -2  # ``down`` of a node that was never computed (forces its children
 class _Info:
     """What the index knows about one registered node (its state at the last refresh)."""
 
-    __slots__ = ("version", "last", "nch", "nck", "ntok", "down", "slots")
+    __slots__ = ("version", "last", "nch", "nck", "ntok", "down", "inh", "sig", "slots")
 
     def __init__(self) -> None:
         self.version = -1
@@ -77,7 +84,23 @@ class _Info:
         self.nck = 0  # len(checkpoints)
         self.ntok = 0  # KV tokens of the edge
         self.down = _UNKNOWN  # fallback depth (tokens) inherited by the children
+        self.inh = _UNKNOWN  # fallback depth this node inherited at its last refresh
+        self.sig: tuple | None = None  # _signature() at the last refresh
         self.slots: list[int] = []  # column rows of this node's candidates
+
+
+def _signature(node: Node) -> tuple:
+    """Everything a node's rows depend on besides ``last_access``, its inherited fallback and its
+    depth histogram: identity/edge (``version``), children count, lock, liveness, checkpoints and
+    their clocks (a handful per node)."""
+    return (
+        node.version,
+        len(node.children),
+        node.lock_ref > 0,
+        node.alive,
+        tuple(node.checkpoints.items()),
+        tuple(node.ckpt_access.items()),
+    )
 
 
 class CandidateIndex:
@@ -170,15 +193,40 @@ class CandidateIndex:
         old, new = self.params, self._params()
         return old[0] is not new[0] or old[1] != new[1] or old[2] is not new[2] or old[3] != new[3]
 
-    def _refresh(self, node: Node, info: _Info) -> bool:
+    def _needs_refresh(self, node: Node, info: _Info, inherited: int) -> bool:
+        """Whether ``node``'s rows may differ from the ones computed at its last refresh. False only
+        when nothing they depend on changed: same signature and inherited fallback, and neither a
+        ``last_access`` the rows read nor a depth histogram the values read (``value="law"``). This
+        is what spares the interior nodes of a long path whose only change is the recency every
+        request writes on its whole path (``observe``)."""
+        if info.sig is None or inherited != info.inh or _signature(node) != info.sig:
+            return True
+        cfg = self.ev.config
+        if self.values_on and cfg.value == "law":
+            return True
+        if node.last_access == info.last:
+            return False
+        children, ck = node.children, node.checkpoints
+        return (
+            not children
+            or (cfg.node_states and len(children) == 1 and bool(ck))
+            or (cfg.ckpt_scope != "none" and bool(ck) and cfg.ckpt_recency != "own")
+        )
+
+    def _refresh(self, node: Node, info: _Info, inherited: int | None = None) -> bool:
         """Recompute ``node``'s rows and record its state; True if the fallback its children
-        inherit (``down``) changed."""
+        inherit (``down``) changed. ``inherited``: ``tree.fallback_depth(node, node.start + 1)`` when
+        the caller knows it (the parent's ``down``), else it is computed (a walk up the path)."""
         ev = self.ev
         tree = ev.tree
         if info.slots:
             self._drop_rows(info)
         ck = node.checkpoints
         keys = ck.keys()
+        if inherited is None:
+            inherited = tree.fallback_depth(node, node.start + 1)
+        # fallback of each checkpoint: the previous one on the edge, the inherited one for the first
+        fbs = [inherited, *keys[:-1]]
         # -- the candidates of this node, as ``candidates()`` + ``_candidate()`` define them
         if (
             node.alive
@@ -188,7 +236,11 @@ class CandidateIndex:
             cfg = ev.config
             children = node.children
             values = self.values_on
-            fl = [ev._ckpt_flops(node, p) for p in keys] if values and keys else []  # noqa: SLF001
+            fl = (
+                [ev._ckpt_flops(node, p, fb) for p, fb in zip(keys, fbs, strict=True)]  # noqa: SLF001
+                if values and keys
+                else []
+            )
             if not children:
                 nbytes = tree.node_bytes(node)
                 v = sum(fl) if values else 0.0
@@ -222,9 +274,11 @@ class CandidateIndex:
             nck,
             ntok,
         )
-        down = keys[-1] if keys else tree.fallback_depth(node, node.start + 1)
+        down = keys[-1] if keys else inherited
         changed = down != info.down
         info.down = down
+        info.inh = inherited
+        info.sig = _signature(node)
         return changed
 
     def _register(self, node: Node) -> _Info:
@@ -248,7 +302,11 @@ class CandidateIndex:
         (all children of a new node)."""
         root = self.ev.tree.root
         nodes = self.nodes
-        stack = list(work)
+        # Shallowest first (a node's children are pushed after it, so they come right after it):
+        # a node's parent is then final when the node is reached, unless the parent is still
+        # pending (an unknown parent pushed below, e.g. the upper half of a split).
+        stack = sorted(work, key=lambda n: n.start, reverse=True)
+        pending = set(stack)
         done: set[Node] = set()
         while stack:
             node = stack.pop()
@@ -259,16 +317,30 @@ class CandidateIndex:
             parent = node.parent
             if parent is not None and parent is not root and parent.alive and parent not in nodes:
                 stack.append(parent)  # e.g. the upper half of a split (also of a truncated leaf)
+                pending.add(parent)
             if not node.alive:
                 if info is not None:
                     self._unregister(node, info)
                 elif node.uid > self.max_uid:  # created and dropped since the last sync
                     self.max_uid = node.uid
                 continue
+            # The inherited fallback is the parent's ``down`` when that is final; else walk up.
+            inherited = None
+            if parent is root:
+                inherited = 0  # (fallback_depth never looks at the root)
+            elif parent is not None and (parent in done or parent not in pending):
+                pinfo = nodes.get(parent)
+                if pinfo is not None and pinfo.down != _UNKNOWN:
+                    inherited = pinfo.down
             if info is None:
                 info = self._register(node)
-            if self._refresh(node, info):
-                stack.extend(node.children.values())
+            elif inherited is not None and not self._needs_refresh(node, info, inherited):
+                info.last = node.last_access
+                continue
+            if self._refresh(node, info, inherited):
+                for c in node.children.values():
+                    stack.append(c)
+                    pending.add(c)
 
     # ------------------------------------------------------------------ sync
 
