@@ -173,7 +173,7 @@ class TreePolicy:
         self._since_tune = 0
         self._snapshot: HybridCache | None = None
         self._pending_tune: tuple[int, Future] | None = None
-        self._walk: tuple[int, np.ndarray] | None = None
+        self._rounds = 0  # eviction rounds computed (a walk's frozen keys stay valid while unchanged)
 
     @property
     def alpha(self) -> float:
@@ -294,28 +294,32 @@ class TreePolicy:
 
     # ------------------------------------------------------------------ evict
 
-    def _round(self) -> tuple[np.ndarray, list[Node], np.ndarray, np.ndarray]:
+    def _round(self) -> tuple[np.ndarray, list[Node], np.ndarray, np.ndarray, np.ndarray]:
         """The eviction round a walk starting now would use: a private copy of every candidate's
-        key (``-inf`` for unservable ones; lowest evicted first), its node, kind and position."""
+        key (``-inf`` for unservable ones; lowest evicted first), and the index's node, uid, kind
+        and position columns (views: valid while ``self._rounds`` is unchanged, i.e. until the
+        next round syncs the index)."""
         idx = self.cache.evictor.index
         idx.sync()
+        self._rounds += 1
         n = idx.n
         if n == 0:
-            return np.empty(0), [], np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+            e = np.empty(0, dtype=np.int64)
+            return np.empty(0), [], e, e, e
         _, key, _ = idx.round_scores(self.cache.evictor.alpha)
-        return key.copy(), idx.node[:n], idx.kind[:n].copy(), idx.pos[:n].copy()
+        return key.copy(), idx.node, idx.uid[:n], idx.kind[:n], idx.pos[:n]
 
     def eviction_order(self) -> Iterator[int]:
         """State handles (SGLang node ids) in the policy's eviction order, lazily: the first costs
         one vectorised pass over the candidates; later ones come in chunks of growing size. A
         handle covered by several candidates comes at its lowest key. The caller skips handles that
-        are locked or gone and falls back to its own order when this runs out."""
+        are locked or gone and falls back to its own order when this runs out (also if another
+        eviction round starts before this one is consumed: the rows it reads are then stale)."""
         self.stats.eviction_walks += 1
-        key, nodes, kind, pos = self._round()
-        uid = np.fromiter((nd.uid for nd in nodes), dtype=np.int64, count=len(nodes))
-        rem = key.copy()
+        rem, nodes, uid, kind, pos = self._round()  # rem: private; consumed rows set to +inf
+        at = self._rounds
         left, k, seen = len(rem), 1, set()
-        while left:
+        while left and self._rounds == at:
             if k >= left:
                 sel = np.flatnonzero(rem != np.inf)
             elif k == 1:
@@ -327,26 +331,37 @@ class TreePolicy:
             rem[sel] = np.inf
             left -= len(sel)
             k *= 8
+            handles = []
             for i in sel.tolist():
-                for h in nodes[i].checkpoints.values():
-                    if h not in seen:
-                        seen.add(h)
-                        yield h
+                handles.extend(nodes[i].checkpoints.values())
+            for h in handles:
+                if h not in seen:
+                    seen.add(h)
+                    yield h
 
     def state_key_fn(self) -> Callable[[int], float | None]:
         """A function: SGLang node id -> the policy key of the state it holds (lowest evicted
-        first; ``-inf`` unservable), ``None`` if the policy offers no candidate for it. Valid for
-        one eviction walk (the round's scores are frozen when this is called)."""
-        key, nodes, _, _ = self._round()
+        first; ``-inf`` unservable), ``None`` if the policy offers no candidate for it. The keys are
+        those of a round starting now, frozen for one eviction walk. A lookup is O(1) (the node's
+        rows in the candidate index) while no other round ran; after one, the rows are mapped once."""
+        key, nodes, _, _, _ = self._round()
+        at = self._rounds
+        idx = self.cache.evictor.index
+        by_id = self.mirror.by_id
         rows: dict[int, list[int]] | None = None
 
         def fn(node_id: int) -> float | None:
             nonlocal rows
-            if rows is None:  # built on first use: row lists per node
-                rows = {}
-                for i, nd in enumerate(nodes):
-                    rows.setdefault(nd.uid, []).append(i)
-            r = rows.get(node_id)
+            if rows is None and self._rounds == at:  # the index's rows are still this round's
+                m = by_id.get(node_id)
+                info = idx.nodes.get(m) if m is not None else None
+                r = info.slots if info is not None else None
+            else:
+                if rows is None:  # another round reordered the index: map this round's rows once
+                    rows = {}
+                    for i, nd in enumerate(nodes):
+                        rows.setdefault(nd.uid, []).append(i)
+                r = rows.get(node_id)
             if not r:
                 return None
             return float(min(key[i] for i in r))

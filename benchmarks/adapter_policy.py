@@ -1,4 +1,5 @@
-"""Memory of the SGLang adapter's policy state: the one-tree mirror vs the old token-replayed shadow.
+"""The SGLang adapter's policy state: memory (one-tree mirror vs the old token-replayed shadow) and
+the eviction walks' cost at 10k nodes.
 
 Workload (the issue's figure): ``--docs`` distinct prompts of ``--prompt-tokens`` tokens (32k), each
 followed by ``--questions`` different short suffixes, so the engine tree holds one interior node per
@@ -13,9 +14,16 @@ prompt and one leaf with a recurrent state per request: ``docs * questions`` sta
 
 Memory is the deep size (bytes) of everything reachable from the policy object (numpy buffers
 included; classes, functions and modules excluded), measured after the workload. Also reports the
-time per request of the policy calls. Writes ``benchmarks/results/adapter_memory.json``.
+time per request of the policy calls.
 
-    python -m benchmarks.adapter_memory [--quick]
+Eviction walks (``--walk-docs`` prompts x ``--walk-questions`` suffixes = 10,400 nodes, every node
+holding a state): after each new request (plan + insert events), the time until the state-pool walk
+(``eviction_order``) yields its first state, and the time to build the KV walk's key function and
+key one leaf (``state_key_fn``): what SGLang's walks wait for. Per policy (sparse with alpha 1, lru).
+
+Writes ``benchmarks/results/adapter_policy.json``.
+
+    python -m benchmarks.adapter_policy [--quick]
 """
 
 from __future__ import annotations
@@ -139,16 +147,65 @@ def run_shadow(shadow_cls: type, cfg: SparseConfig, args) -> tuple[Any, float]:
     return sh, time.perf_counter() - t0
 
 
+def eviction_walks(policy: str, docs: int, questions: int, reps: int = 50) -> dict[str, float]:
+    """Median/p90 (ms) of the two walks' start-up cost at ``docs * (questions + 1)`` nodes."""
+    alpha = 1.0 if policy in ("sparse", "marconi") else None
+    pol = TreePolicy(SparseConfig(policy=policy, alpha=alpha), budget_bytes=10**15, cost=COST)
+    pol.reset(0)
+    nid = 1
+    heads = []
+    for d in range(docs):
+        pol.on_node_added(nid, 0, 32_768, d)
+        pol.on_state_set(nid)
+        heads.append(nid)
+        nid += 1
+    for q in range(questions):
+        for h in heads:
+            pol.plan(f"r{nid}", 32_768 + 64, 2, kv_node_id=h, engine_kv=32_768, engine_prefix=32_768)
+            pol.on_node_added(nid, h, 64, q)
+            pol.on_state_set(nid)
+            pol.on_insert(nid)
+            pol.finish(f"r{nid}", (), ())
+            nid += 1
+    walk, keyfn = [], []
+    for rep in range(reps):
+        h = heads[rep % docs]
+        pol.plan(f"w{rep}", 32_768 + 64, 2, kv_node_id=h, engine_kv=32_768, engine_prefix=32_768)
+        pol.on_node_added(nid, h, 64, questions + rep)
+        pol.on_state_set(nid)
+        pol.on_insert(nid)
+        nid += 1
+        t0 = time.perf_counter()
+        victim = next(pol.eviction_order())
+        walk.append(time.perf_counter() - t0)
+        pol.on_state_freed(victim)
+        t0 = time.perf_counter()
+        pol.state_key_fn()(h)
+        keyfn.append(time.perf_counter() - t0)
+    ms = lambda xs, q: float(1e3 * np.percentile(xs, q))  # noqa: E731
+    return {
+        "nodes": pol.mirror.num_nodes,
+        "candidates": int(pol.cache.evictor.index.n),
+        "state_walk_first_ms_median": ms(walk, 50),
+        "state_walk_first_ms_p90": ms(walk, 90),
+        "kv_walk_key_ms_median": ms(keyfn, 50),
+        "kv_walk_key_ms_p90": ms(keyfn, 90),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", type=int, default=200)
     ap.add_argument("--questions", type=int, default=10)
     ap.add_argument("--prompt-tokens", type=int, default=32_768)
     ap.add_argument("--suffix", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="20 docs x 5 questions of 4k tokens")
+    ap.add_argument("--walk-docs", type=int, default=400)
+    ap.add_argument("--walk-questions", type=int, default=25)
+    ap.add_argument("--quick", action="store_true", help="20 docs x 5 questions of 4k tokens; 1k-node walks")
     args = ap.parse_args(argv)
     if args.quick:
         args.docs, args.questions, args.prompt_tokens = 20, 5, 4096
+        args.walk_docs, args.walk_questions = 100, 9
     cfg = SparseConfig(policy="sparse", alpha=0.0)
     n_req = args.docs * args.questions
     print(
@@ -194,7 +251,16 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"shadow / mirror: {old_bytes / new_bytes:.0f}x total, {copies / new_bytes:.0f}x the copies alone"
         )
-    path = write_json("adapter_memory", out, results_dir(args.quick))
+    out["eviction_walks"] = {}
+    for name in ("sparse", "lru"):
+        w = eviction_walks(name, args.walk_docs, args.walk_questions)
+        out["eviction_walks"][name] = w
+        print(
+            f"eviction walks, {name}, {w['nodes']} nodes / {w['candidates']} candidates: first state "
+            f"{w['state_walk_first_ms_median']:.2f} ms (p90 {w['state_walk_first_ms_p90']:.2f}); KV-walk "
+            f"key {w['kv_walk_key_ms_median']:.2f} ms (p90 {w['kv_walk_key_ms_p90']:.2f})"
+        )
+    path = write_json("adapter_policy", out, results_dir(args.quick))
     print(f"wrote {path}")
     if pol.stats.mirror_errors:
         print(f"ERROR: {pol.stats.mirror_errors} engine events did not fit the mirror")
