@@ -177,3 +177,34 @@ def test_match_result_after_a_later_split() -> None:
     assert r.node.uid == 2 and r.kv_depth == 30 and r.resume_depth == 0
     r = m.match_result(1, 100, 100)
     assert r.node.uid == 1 and r.resume_depth == 100 and [n.uid for n in r.path] == [2, 1]
+
+
+def test_free_states_are_speculative_until_used() -> None:
+    """An unplanned checkpoint taken while a slot is free is kept, evicted before every other
+    state, and becomes a normal state once a request resumes from it; without a free slot (or with
+    ``free_states`` off) it is rejected."""
+    pol = _policy("sparse")
+    eng = MiniEngine(pol)
+    old = eng.insert(list(range(100, 200)))  # a normal (final) state
+    doc = list(range(1000, 1300))
+    node, d, r = eng.match(doc)
+    pol.plan("a", len(doc), 2, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    assert not pol.admit("a", 256, finished=False, free_slots=0)  # unplanned, no free slot
+    assert pol.admit("a", 256, finished=False, free_slots=3)  # unplanned, a free slot: speculative
+    chunk = eng.insert(doc[:256])
+    pol.end_checkpoint()
+    assert pol.is_speculative(chunk.id) and not pol.is_speculative(old.id)
+    assert next(pol.eviction_order()) == chunk.id  # first to go, although the newest
+    assert pol.stats.ckpt_free == 1 and pol.stats.ckpt_rejected == 1
+    # A second request on the same document resumes from it: promoted.
+    q = doc[:256] + [7, 7, 7]
+    node, d, r = eng.match(q)
+    assert r == 256
+    pol.plan("b", len(q), 2, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    assert not pol.is_speculative(chunk.id) and pol.stats.free_state_hits == 1
+    assert pol.mirror.num_states == 2 and next(pol.eviction_order()) == old.id
+    # Off: unplanned checkpoints are rejected whatever the free slots.
+    off = _policy("sparse", free_states=False)
+    MiniEngine(off)
+    off.plan("c", 10, 2, kv_node_id=None, engine_kv=0, engine_prefix=0)
+    assert not off.admit("c", 5, finished=False, free_slots=10)

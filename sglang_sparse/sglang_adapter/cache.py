@@ -102,7 +102,8 @@ class SparseMambaComponent(MambaComponent):
 
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
         policy: TreePolicy = self.cache.policy
-        if not policy.admit(req.rid, token_ids_len, finished=is_finished):
+        free = int(self.cache.req_to_token_pool.mamba_allocator.available_size())
+        if not policy.admit(req.rid, token_ids_len, finished=is_finished, free_slots=free):
             # Skip the whole insert before a slot is allocated; the KV stays request-owned and is
             # published by the next admitted checkpoint (or the final one).
             return 0
@@ -117,6 +118,7 @@ class SparseMambaComponent(MambaComponent):
         super().cleanup_after_caching_req(
             req, is_finished=is_finished, insert_result=insert_result, insert_params=insert_params
         )
+        self.cache.policy.end_checkpoint()
         if insert_result is not None and insert_result.last_device_node is not None:
             node_id = getattr(insert_result.last_device_node, "id", insert_result.last_device_node)
             if self.tree_core.node_by_id(node_id) is not None:
@@ -230,6 +232,8 @@ class SparseFullComponent(FullComponent):
         def key(n):
             if n.component_data[mamba].value is None:
                 rank = (0, 0.0)  # dead KV: nothing can resume inside it
+            elif policy.is_speculative(n.id):
+                rank = (0, 1.0)  # a speculative state (kept only while slots were free)
             else:
                 sc = state_key(n.id)
                 rank = (1, sc) if sc is not None else (2, 0.0)

@@ -29,6 +29,10 @@ variable (JSON key)                default    meaning
 (``tune_window``)
 ``SGLANG_SPARSE_LOG_EVERY``         100        log a stats line every N finished requests (0: off)
 (``log_every``)
+``SGLANG_SPARSE_FREE_STATES``       1          1: keep unplanned chunk-end / prompt-end states (they
+(``free_states``)                              cost no extra forward) while a state slot is free, as
+                                               speculative states evicted before all others (0: keep
+                                               planned and final states only)
 ``SGLANG_SPARSE_CHECK_INVARIANTS``  0          1: after every checkpoint and eviction, check that the policy's
 (``check_invariants``)                         mirror equals SGLang's tree (O(nodes) each; for tests and
                                                debugging); violations are logged and counted in the stats
@@ -67,6 +71,7 @@ class SparseConfig:
     min_cut_gain: int = 32
     tune_window: int = 200
     log_every: int = 100
+    free_states: bool = True
     check_invariants: bool = False
 
     @property
@@ -208,6 +213,7 @@ _PARSERS = {
     "min_cut_gain": lambda s, v: _int(s, v, 0),
     "tune_window": lambda s, v: _int(s, v, 1),
     "log_every": lambda s, v: _int(s, v, 0),
+    "free_states": _bool,
     "check_invariants": _bool,
 }
 _FIELDS = tuple(_PARSERS)

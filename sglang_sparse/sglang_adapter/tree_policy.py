@@ -78,6 +78,10 @@ class PolicyStats:
     ckpt_admitted: int = 0
     ckpt_rejected: int = 0
     ckpt_final: int = 0
+    #: unplanned checkpoints kept because a state slot was free (speculative: evicted first)
+    ckpt_free: int = 0
+    #: requests that resumed from a speculative state (which then became a normal one)
+    free_state_hits: int = 0
     states_inserted: int = 0
     states_evicted: int = 0
     kv_leaves_evicted: int = 0
@@ -174,6 +178,9 @@ class TreePolicy:
         self._snapshot: HybridCache | None = None
         self._pending_tune: tuple[int, Future] | None = None
         self._rounds = 0  # eviction rounds computed (a walk's frozen keys stay valid while unchanged)
+        #: speculative states (SGLang node ids), oldest first: evicted before all others
+        self._speculative: dict[int, None] = {}
+        self._speculative_next = False
 
     @property
     def alpha(self) -> float:
@@ -204,13 +211,18 @@ class TreePolicy:
 
     def on_leaf_removed(self, node_id: int) -> None:
         self.stats.kv_leaves_evicted += 1
+        self._speculative.pop(node_id, None)
         self._guard("remove", self.mirror.remove_leaf, node_id)
 
     def on_state_set(self, node_id: int) -> None:
         if self._guard("state", self.mirror.set_state, node_id):
             self.stats.states_inserted += 1
+            if self._speculative_next:
+                self._speculative[node_id] = None
+        self._speculative_next = False
 
     def on_state_freed(self, node_id: int) -> None:
+        self._speculative.pop(node_id, None)
         if self.mirror.drop_state(node_id):
             self.stats.states_evicted += 1
 
@@ -245,6 +257,8 @@ class TreePolicy:
         if m is None:
             m = self.mirror.match_result(None, 0, 0)
         self.cache.observe(m)
+        if m.ckpt_handle is not None and self._speculative.pop(m.ckpt_handle, False) is None:
+            self.stats.free_state_hits += 1  # it served a request: a normal state from now on
         positions = tuple(self.cache.capture_plan(m, n, n + max(int(max_new_tokens), 0)))
         cuts = tuple(q for q in positions if engine_prefix < q < n)
         p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv))
@@ -278,19 +292,36 @@ class TreePolicy:
 
     # ------------------------------------------------------------------ keep
 
-    def admit(self, rid: str, position: int, *, finished: bool) -> bool:
-        """Keep the checkpoint of ``rid`` at ``position``? Final states always; others iff planned.
-        A request without a plan (not admitted through our adder) keeps SGLang's behaviour."""
+    def admit(self, rid: str, position: int, *, finished: bool, free_slots: int = 0) -> bool:
+        """Keep the checkpoint of ``rid`` at ``position``? Final states always; planned ones
+        always; a request without a plan (not admitted through our adder) keeps SGLang's behaviour.
+        Any other checkpoint (a chunk end, the prompt end: the engine has the state anyway, it
+        costs no extra forward) is kept *speculatively* when ``free_slots`` (free state slots, before
+        this one is taken) > 0 and the ``free_states`` option is on: the next state attached
+        (:meth:`on_state_set`) is then evicted before every policy-ordered state, unless a request
+        resumes from it first (:meth:`plan`). So the cache never holds fewer states than the
+        engine's own chunk-end policy while there is room, and the learned parts only add to it."""
+        self._speculative_next = False
         if finished:
             self.stats.ckpt_final += 1
             return True
         p = self._plans.get(rid)
-        ok = p is None or position in p.positions
-        if ok:
+        if p is None or position in p.positions:
             self.stats.ckpt_admitted += 1
-        else:
-            self.stats.ckpt_rejected += 1
-        return ok
+            return True
+        if self.config.free_states and free_slots > 0:
+            self._speculative_next = True
+            self.stats.ckpt_free += 1
+            return True
+        self.stats.ckpt_rejected += 1
+        return False
+
+    def end_checkpoint(self) -> None:
+        """The engine finished one checkpoint (whether or not a state was attached)."""
+        self._speculative_next = False
+
+    def is_speculative(self, node_id: int) -> bool:
+        return node_id in self._speculative
 
     # ------------------------------------------------------------------ evict
 
@@ -312,13 +343,18 @@ class TreePolicy:
     def eviction_order(self) -> Iterator[int]:
         """State handles (SGLang node ids) in the policy's eviction order, lazily: the first costs
         one vectorised pass over the candidates; later ones come in chunks of growing size. A
-        handle covered by several candidates comes at its lowest key. The caller skips handles that
+        handle covered by several candidates comes at its lowest key. Speculative states (see
+        :meth:`admit`) come before all of them, oldest first. The caller skips handles that
         are locked or gone and falls back to its own order when this runs out (also if another
         eviction round starts before this one is consumed: the rows it reads are then stale)."""
         self.stats.eviction_walks += 1
+        seen: set[int] = set()
+        for h in list(self._speculative):  # speculative states first, oldest first
+            seen.add(h)
+            yield h
         rem, nodes, uid, kind, pos = self._round()  # rem: private; consumed rows set to +inf
         at = self._rounds
-        left, k, seen = len(rem), 1, set()
+        left, k = len(rem), 1
         while left and self._rounds == at:
             if k >= left:
                 sel = np.flatnonzero(rem != np.inf)
