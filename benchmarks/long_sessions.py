@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=2000, help="turns of the single long session")
     ap.add_argument("--sessions", type=int, default=20, help="interleaved sessions")
     ap.add_argument("--session-turns", type=int, default=300, help="turns of each interleaved session")
-    ap.add_argument("--kv-tokens", type=int, default=40_000, help="KV pool (tokens)")
+    ap.add_argument("--kv-tokens", type=int, default=64_000, help="KV pool (tokens)")
     ap.add_argument("--state-slots", type=int, default=64, help="Mamba state pool (slots)")
     ap.add_argument("--quick", action="store_true", help="300 turns; 4 x 60 interleaved")
     args = ap.parse_args(argv)

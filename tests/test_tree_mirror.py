@@ -208,3 +208,10 @@ def test_free_states_are_speculative_until_used() -> None:
     MiniEngine(off)
     off.plan("c", 10, 2, kv_node_id=None, engine_kv=0, engine_prefix=0)
     assert not off.admit("c", 5, finished=False, free_slots=10)
+    # No free slot but an older speculative state to replace: kept (the allocation evicts that one).
+    pol.admit("a", 300, finished=False, free_slots=3)
+    spec = eng.insert(doc[:300] + [1])
+    pol.end_checkpoint()
+    assert pol.is_speculative(spec.id)
+    assert pol.admit("a", 280, finished=False, free_slots=0)
+    pol.end_checkpoint()

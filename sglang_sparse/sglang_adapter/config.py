@@ -30,9 +30,10 @@ variable (JSON key)                default    meaning
 ``SGLANG_SPARSE_LOG_EVERY``         100        log a stats line every N finished requests (0: off)
 (``log_every``)
 ``SGLANG_SPARSE_FREE_STATES``       1          1: keep unplanned chunk-end / prompt-end states (they
-(``free_states``)                              cost no extra forward) while a state slot is free, as
-                                               speculative states evicted before all others (0: keep
-                                               planned and final states only)
+(``free_states``)                              cost no extra forward) while a state slot is free or an
+                                               older speculative state can make room; speculative states
+                                               are evicted before all others (0: keep planned and final
+                                               states only)
 ``SGLANG_SPARSE_CHECK_INVARIANTS``  0          1: after every checkpoint and eviction, check that the policy's
 (``check_invariants``)                         mirror equals SGLang's tree (O(nodes) each; for tests and
                                                debugging); violations are logged and counted in the stats

@@ -296,8 +296,9 @@ class TreePolicy:
         """Keep the checkpoint of ``rid`` at ``position``? Final states always; planned ones
         always; a request without a plan (not admitted through our adder) keeps SGLang's behaviour.
         Any other checkpoint (a chunk end, the prompt end: the engine has the state anyway, it
-        costs no extra forward) is kept *speculatively* when ``free_slots`` (free state slots, before
-        this one is taken) > 0 and the ``free_states`` option is on: the next state attached
+        costs no extra forward) is kept *speculatively* when the ``free_states`` option is on and
+        either a state slot is free (``free_slots`` > 0, before this one is taken) or an older
+        speculative state can make room (the allocation evicts it first): the next state attached
         (:meth:`on_state_set`) is then evicted before every policy-ordered state, unless a request
         resumes from it first (:meth:`plan`). So the cache never holds fewer states than the
         engine's own chunk-end policy while there is room, and the learned parts only add to it."""
@@ -309,7 +310,7 @@ class TreePolicy:
         if p is None or position in p.positions:
             self.stats.ckpt_admitted += 1
             return True
-        if self.config.free_states and free_slots > 0:
+        if self.config.free_states and (free_slots > 0 or self._speculative):
             self._speculative_next = True
             self.stats.ckpt_free += 1
             return True
