@@ -72,7 +72,7 @@ def test_eviction_order_equals_simulator_evictor(name: str) -> None:
     pol = _policy(name, alpha=1.0 if name in ("sparse", "marconi") else 0.0)
     eng = MiniEngine(pol)
     _random_ops(eng, random.Random(7), 200)
-    sim = pol.engine_snapshot(eng.export())
+    sim = pol.engine_snapshot(eng.export()).build()
     sim.tree.check()
     want: list[int] = []
     best: dict[int, float] = {}  # lowest key per handle (-inf: unservable)
