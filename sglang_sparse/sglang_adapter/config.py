@@ -37,6 +37,13 @@ variable (JSON key)                default    meaning
 ``SGLANG_SPARSE_CHECK_INVARIANTS``  0          1: after every checkpoint and eviction, check that the policy's
 (``check_invariants``)                         mirror equals SGLang's tree (O(nodes) each; for tests and
                                                debugging); violations are logged and counted in the stats
+``SGLANG_SPARSE_CAPTURE``           forward    how planned positions strictly inside a prefill extend are
+(``capture``)                                  captured: ``forward`` writes their states during the forward
+                                               into reserved state slots (no cut; CPU kernel shim only: by
+                                               default other devices fall back to ``cut``, an explicit
+                                               ``forward`` there is an error); ``cut`` ends the prefill
+                                               chunk there (one more forward each; no_buffer checkpoints
+                                               the chunk end)
 =================================  =========  ==============================================
 
 This module has no SGLang import (it is unit-testable without the serving stack).
@@ -74,6 +81,7 @@ class SparseConfig:
     log_every: int = 100
     free_states: bool = True
     check_invariants: bool = False
+    capture: str = "forward"
 
     @property
     def alpha_auto(self) -> bool:
@@ -188,6 +196,16 @@ def _bool(src: str, v: Any) -> bool:
     raise SparseConfigError(f"{src}={v!r}: expected 0 or 1")
 
 
+CAPTURE_MODES = ("cut", "forward")
+
+
+def _capture(src: str, v: Any) -> str:
+    t = str(v).strip().lower()
+    if t not in CAPTURE_MODES:
+        raise SparseConfigError(f"{src}={v!r}: unknown capture mode; valid: {', '.join(CAPTURE_MODES)}")
+    return t
+
+
 def _gamma(src: str, v: Any) -> float:
     x = _float(src, v)
     if not 0.0 < x <= 1.0:
@@ -216,5 +234,6 @@ _PARSERS = {
     "log_every": lambda s, v: _int(s, v, 0),
     "free_states": _bool,
     "check_invariants": _bool,
+    "capture": _capture,
 }
 _FIELDS = tuple(_PARSERS)

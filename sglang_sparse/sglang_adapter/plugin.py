@@ -6,9 +6,9 @@
     sparse = "sglang_sparse.sglang_adapter.plugin:register"
 
 SGLang calls :func:`register` (no arguments) in every process it starts (launcher, tokenizer,
-scheduler, detokenizer). It registers the backend factory and three hooks; this module imports
-nothing from SGLang at top level (the heavy classes live in :mod:`.cache`, imported by the factory,
-which runs only in the scheduler).
+scheduler, detokenizer). It registers the backend factory, three hooks and the four in-forward
+capture hooks; this module imports nothing from SGLang at top level (the heavy classes live in
+:mod:`.cache` and :mod:`.capture`, imported by the factory, which runs only in the scheduler).
 
 Plugin exceptions are only logged by SGLang, so :func:`register` validates nothing; all validation
 happens in :func:`sparse_cache_factory`, which runs in the scheduler while it builds its cache, and
@@ -46,7 +46,59 @@ def register() -> None:
     HookRegistry.register(_ADDER_TARGET, _adder_class_hook, HookType.AROUND)
     HookRegistry.register(_STATE_TARGET, _internal_state_hook, HookType.AFTER)
     HookRegistry.register(_EXTRA_BUFFER_TARGET, _extra_buffer_hook, HookType.AROUND)
+    # SGLANG_SPARSE_CAPTURE=forward (sglang_sparse.sglang_adapter.capture); each hook is a no-op
+    # unless its batch belongs to a CaptureRadixCache, and imports the capture module lazily.
+    HookRegistry.register(_CAPTURE_PREPARE_TARGET, _capture_prepare_hook, HookType.AFTER)
+    HookRegistry.register(_CAPTURE_INIT_NEW_TARGET, _capture_init_new_hook, HookType.AFTER)
+    HookRegistry.register(_CAPTURE_CONV_TARGET, _capture_conv_hook, HookType.AROUND)
+    HookRegistry.register(_CAPTURE_EXTEND_TARGET, _capture_extend_hook, HookType.AROUND)
     _registered = True
+
+
+# Same strings as sglang_sparse.sglang_adapter.capture.HOOK_TARGETS (that module imports SGLang).
+_CAPTURE_PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+_CAPTURE_INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+_CAPTURE_CONV_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend._convolve_prefill"
+_CAPTURE_EXTEND_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
+
+
+def _capture_prepare_hook(result, self, *args, **kwargs):
+    if getattr(getattr(self, "tree_cache", None), "capture_forward", False):
+        from .capture import _prepare_for_extend_hook
+
+        return _prepare_for_extend_hook(result, self, *args, **kwargs)
+    return result
+
+
+def _capture_init_new_hook(result, cls, batch, *args, **kwargs):
+    from . import capture_state
+
+    if getattr(batch, "sparse_capture", None) is not None:
+        from .capture import _init_new_hook
+
+        return _init_new_hook(result, cls, batch, *args, **kwargs)
+    capture_state.set_forward_plan(None)  # this forward carries no plan
+    return result
+
+
+def _capture_conv_hook(original, self, layer, forward_batch, *args, **kwargs):
+    from . import capture_state
+
+    if capture_state.forward_plan() is not None or capture_state.active():
+        from .capture import _convolve_prefill_hook
+
+        return _convolve_prefill_hook(original, self, layer, forward_batch, *args, **kwargs)
+    return original(self, layer, forward_batch, *args, **kwargs)
+
+
+def _capture_extend_hook(original, self, *args, **kwargs):
+    from . import capture_state
+
+    if capture_state.active():
+        from .capture import _extend_hook
+
+        return _extend_hook(original, self, *args, **kwargs)
+    return original(self, *args, **kwargs)
 
 
 def _extra_buffer_hook(original_fn, view, hf_config, *args, **kwargs):
@@ -78,6 +130,24 @@ def _internal_state_hook(result, self, state, *args, **kwargs):
         except Exception:  # noqa: BLE001 - a stats failure must not break /server_info
             logger.exception("sparse cache statistics failed")
     return result
+
+
+def _capture_explicit() -> bool:
+    """True when the capture mode was set by ``SGLANG_SPARSE_CAPTURE`` or the JSON config (not the
+    default): an explicit ``forward`` off the CPU is an error, the default falls back to ``cut``."""
+    import json
+    import os
+
+    if os.environ.get("SGLANG_SPARSE_CAPTURE"):
+        return True
+    path = os.environ.get("SGLANG_SPARSE_CONFIG")
+    if not path:
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "capture" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 class SparseBackendError(ValueError):
@@ -176,8 +246,32 @@ def sparse_cache_factory(ctx: Any):
         pass
     p.tree_core_backend = TREE_CORE_NAME
 
+    cache_class = SparseRadixCache
+    capture = config.capture
+    if capture == "forward":
+        from sglang.srt.utils import is_cpu
+
+        if not is_cpu():
+            if _capture_explicit():
+                raise SparseBackendError(
+                    "--radix-cache-backend sparse: SGLANG_SPARSE_CAPTURE=forward needs the CPU GDN kernel "
+                    "shim (GPU list-capture kernels are not implemented); use SGLANG_SPARSE_CAPTURE=cut"
+                )
+            logger.warning("sparse cache: no in-forward capture kernel on this device; capture=cut")
+            capture = "cut"
+    if capture == "forward":
+        from .capture import CaptureMambaComponent, CaptureRadixCache, hooks_applied
+
+        if not hooks_applied():
+            raise SparseBackendError(
+                "--radix-cache-backend sparse: SGLANG_SPARSE_CAPTURE=forward needs the plugin's capture "
+                "hooks, which SGLang did not apply in the scheduler (is the 'sparse' plugin loaded?)"
+            )
+        p.component_registry_override[ComponentType.MAMBA] = CaptureMambaComponent
+        cache_class = CaptureRadixCache
+
     def build(params):
-        return SparseRadixCache(params, policy=policy, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)
+        return cache_class(params, policy=policy, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)
 
     cache = create_unified_radix_cache(ctx, cache_class=build)
     logger.info(

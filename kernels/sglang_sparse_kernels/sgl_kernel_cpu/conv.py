@@ -119,3 +119,70 @@ def causal_conv1d_update(
     if state_len > 0:
         conv_state[vidx] = window[..., -state_len:].to(conv_state.dtype)
     return out.squeeze(-1) if squeeze else out
+
+
+def capture_conv_states(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    cache_indices: torch.Tensor | None,
+    has_initial_state: torch.Tensor | None,
+    capture_cu: torch.Tensor,
+    capture_offsets: torch.Tensor,
+    capture_slots: torch.Tensor,
+    capture_pool: torch.Tensor | None = None,
+    pad_slot_id: int = -1,
+) -> None:
+    """Write the conv state each sequence has after ``p`` of its tokens into pool slots.
+
+    The conv state after ``p`` tokens is the last ``W - 1`` *pre-conv* inputs before position ``p``
+    (oldest first), exactly what :func:`causal_conv1d_fwd` leaves in the pool after a sequence of
+    length ``p``. For ``p < W - 1`` the window reaches into the initial state: its last
+    ``W - 1 - p`` columns (zeros when ``has_initial_state`` is False), then the first ``p`` inputs.
+
+    Must run **before** :func:`causal_conv1d_fwd` overwrites the sequences' slots.
+
+    Args:
+        x: ``[T, D]`` packed pre-conv inputs (SGLang's ``mixed_qkv``; may be a view).
+        conv_states: ``[S, D, W - 1]`` pool holding the initial states (read at ``cache_indices``).
+        query_start_loc: ``[B + 1]`` token offsets (None: one sequence of length ``T``).
+        cache_indices: ``[B]`` slots of the initial states (None: ``arange(B)``); ``pad_slot_id``
+            sequences are skipped.
+        has_initial_state: ``[B]`` bool (None: all False).
+        capture_cu: ``[B + 1]`` CSR split of ``capture_offsets``/``capture_slots`` (``[P]``) by
+            sequence; offsets are token counts ``0 <= p <= len_b``.
+        capture_pool: destination ``[S', D, W - 1]`` (default ``conv_states``); slots must not be
+            any ``cache_indices`` entry.
+    """
+    total, dim = x.shape
+    state_len = conv_states.shape[-1]
+    pool = conv_states if capture_pool is None else capture_pool
+    starts = [0, total] if query_start_loc is None else [int(v) for v in query_start_loc.tolist()]
+    n_seq = len(starts) - 1
+    slots = list(range(n_seq)) if cache_indices is None else [int(v) for v in cache_indices.tolist()]
+    has_init = [False] * n_seq if has_initial_state is None else [bool(v) for v in has_initial_state.tolist()]
+    cu = [int(v) for v in capture_cu.tolist()]
+    offs = [int(v) for v in capture_offsets.tolist()]
+    dsts = [int(v) for v in capture_slots.tolist()]
+    if len(cu) != n_seq + 1 or cu[-1] != len(offs) or len(offs) != len(dsts):
+        raise ValueError(
+            f"capture CSR: cu {cu} for {n_seq} sequences, {len(offs)} offsets, {len(dsts)} slots"
+        )
+    if state_len == 0:
+        return
+    for i in range(n_seq):
+        lo, hi, slot = starts[i], starts[i + 1], slots[i]
+        if slot == pad_slot_id or cu[i + 1] == cu[i]:
+            continue
+        if has_init[i]:
+            init = conv_states[slot]
+        else:
+            init = conv_states.new_zeros(dim, state_len)
+        for p, dst in zip(offs[cu[i] : cu[i + 1]], dsts[cu[i] : cu[i + 1]], strict=True):
+            if not 0 <= p <= hi - lo:
+                raise ValueError(f"capture offset {p} outside [0, {hi - lo}]")
+            take = min(p, state_len)
+            window = x[lo + p - take : lo + p].transpose(0, 1).to(pool.dtype)  # [D, take]
+            if take < state_len:
+                window = torch.cat([init[:, take:].to(pool.dtype), window], dim=1)
+            pool[dst] = window

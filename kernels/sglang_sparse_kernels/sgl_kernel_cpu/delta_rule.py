@@ -77,15 +77,22 @@ def _chunk_one(
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk: int = DEFAULT_CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    capture: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One sequence, head-major fp32 inputs.
 
     Args:
         q, k: ``[HV, L, K]`` (already normalised/scaled/expanded); v: ``[HV, L, V]``;
         g, beta: ``[HV, L]``; state: ``[HV, K, V]`` initial state (``K x V`` layout).
+        capture: token counts ``p`` (``0 <= p <= L``, any order) whose states to return too.
+            ``p % chunk == 0``: the carried inter-chunk state (before chunk ``p // chunk``, or the
+            final state); otherwise the state before chunk ``c = p // chunk`` advanced by the
+            ``r = p % chunk`` remaining tokens with the chunk's own (causal, hence exact) WY rows:
+            ``S_p = e^{gam_{r-1}} S_c + sum_{i<r} e^{gam_{r-1} - gam_i} k_i u_i^T``.
 
     Returns:
-        ``(o [HV, L, V], final_state [HV, K, V])``.
+        ``(o [HV, L, V], final_state [HV, K, V])``, plus the list of captured ``[HV, K, V]`` fp32
+        states (in the order of ``capture``) when ``capture`` is given.
     """
     hv, length, dk = k.shape
     dv = v.shape[-1]
@@ -120,12 +127,33 @@ def _chunk_one(
     chunk_decay = torch.exp(gam[..., -1])  # [HV, n]
 
     out = torch.empty(hv, n, chunk, dv, dtype=q.dtype, device=q.device)
+    want: dict[int, list[int]] = {}  # chunk index -> capture list indices starting in it
+    for j, p in enumerate(capture or ()):
+        if not 0 <= p <= length:
+            raise ValueError(f"capture offset {p} outside [0, {length}]")
+        want.setdefault(p // chunk, []).append(j)
+    got: list[torch.Tensor | None] = [None] * len(capture or ())
     s = state
-    for i in range(n):
+    for i in range(n + 1):
+        for j in want.get(i, ()):
+            r = capture[j] % chunk  # type: ignore[index]
+            if r == 0:
+                got[j] = s.clone()
+            else:  # r < chunk tokens into chunk i (< n: capture <= length)
+                u = u_const[:, i, :r] - u_state[:, i, :r] @ s  # [HV, r, V], exact (causal rows)
+                g_i = gam[:, i, :r]
+                decay = torch.exp(g_i[:, -1:] - g_i).unsqueeze(-1)  # [HV, r, 1]
+                kd = (k[:, i, :r] * decay).transpose(-1, -2)  # [HV, K, r]
+                got[j] = s * torch.exp(g_i[:, -1])[:, None, None] + kd @ u
+        if i == n:
+            break
         u = u_const[:, i] - u_state[:, i] @ s  # [HV, C, V]
         out[:, i] = q_decay[:, i] @ s + qk[:, i] @ u
         s = s * chunk_decay[:, i, None, None] + k_tail[:, i].transpose(-1, -2) @ u
-    return out.reshape(hv, n * chunk, dv)[:, :length], s
+    o = out.reshape(hv, n * chunk, dv)[:, :length]
+    if capture is None:
+        return o, s
+    return o, s, [t for t in got if t is not None]
 
 
 def chunk_gated_delta_rule(
@@ -142,8 +170,12 @@ def chunk_gated_delta_rule(
     initial_state_indices: torch.Tensor | None = None,
     scale: float | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    capture_cu: torch.Tensor | None = None,
+    capture_offsets: torch.Tensor | None = None,
+    capture_slots: torch.Tensor | None = None,
+    capture_pool: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Prefill (``chunk_gated_delta_rule_cpu``).
+    """Prefill (``chunk_gated_delta_rule_cpu``), optionally capturing intermediate states.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g (log decay), beta: ``[B, T, HV]``.
@@ -152,6 +184,16 @@ def chunk_gated_delta_rule(
             default ``arange(N)``) and overwritten in place with the final states. Negative indices
             mark padding sequences (skipped, zero output). None: start from zeros, no write-back.
         head_first: must be False.
+        capture_cu, capture_offsets, capture_slots, capture_pool: list capture (CSR, all or none).
+            ``capture_cu [N + 1]`` (int, non-decreasing, ``capture_cu[0] == 0``) splits
+            ``capture_offsets``/``capture_slots`` (``[P]``) by sequence; entry ``j`` of sequence
+            ``n`` writes the state after the first ``capture_offsets[j]`` tokens of ``n``
+            (``0 <= offset <= len_n``; 0 = the initial state, ``len_n`` = the final one) into
+            ``capture_pool[capture_slots[j]]`` (``[S', HV, V, K]``, the pool's layout, cast to its
+            dtype; may be ``initial_state`` itself). Slots must differ from every slot read by the
+            call (a capture never overwrites an input state). Offsets on the ``chunk_size`` grid
+            come from the chunk loop; off-grid ones advance the carried state by the ``< chunk_size``
+            remaining tokens. Captures of padding sequences (negative index) are skipped.
 
     Returns:
         ``(o [B, T, HV, V] in v.dtype, final states [N, HV, V, K] fp32 or None)``.
@@ -177,6 +219,22 @@ def chunk_gated_delta_rule(
         slots = [int(x) for x in initial_state_indices.tolist()]
         if len(slots) != n_seq:
             raise ValueError(f"{len(slots)} state indices for {n_seq} sequences")
+    caps: list[list[tuple[int, int]]] = [[] for _ in range(n_seq)]
+    given = [t is not None for t in (capture_cu, capture_offsets, capture_slots, capture_pool)]
+    if any(given):
+        if not all(given):
+            raise ValueError("capture_cu, capture_offsets, capture_slots and capture_pool go together")
+        cu = [int(x) for x in capture_cu.tolist()]  # type: ignore[union-attr]
+        offs = [int(x) for x in capture_offsets.tolist()]  # type: ignore[union-attr]
+        dsts = [int(x) for x in capture_slots.tolist()]  # type: ignore[union-attr]
+        if len(cu) != n_seq + 1 or cu[0] != 0 or cu[-1] != len(offs) or len(offs) != len(dsts):
+            raise ValueError(
+                f"capture CSR: cu {cu} for {n_seq} sequences, {len(offs)} offsets, {len(dsts)} slots"
+            )
+        for i in range(n_seq):
+            if cu[i + 1] < cu[i]:
+                raise ValueError(f"capture_cu not non-decreasing: {cu}")
+            caps[i] = list(zip(offs[cu[i] : cu[i + 1]], dsts[cu[i] : cu[i + 1]], strict=True))
     out = torch.zeros(bsz, total, hv, dv, dtype=torch.float32, device=v.device)
     finals = torch.zeros(n_seq, hv, dv, dk, dtype=torch.float32, device=v.device)
     for i, (b, lo, hi) in enumerate(segs):
@@ -187,8 +245,10 @@ def chunk_gated_delta_rule(
             s0 = torch.zeros(hv, dk, dv, dtype=torch.float32, device=v.device)
         else:
             s0 = initial_state[slot].float().transpose(-1, -2)
+        offsets = [p for p, _ in caps[i]]
+        captured: list[torch.Tensor] = []
         if hi > lo:
-            o, s = _chunk_one(
+            res = _chunk_one(
                 qf[b, lo:hi].transpose(0, 1),
                 kf[b, lo:hi].transpose(0, 1),
                 vf[b, lo:hi].transpose(0, 1),
@@ -196,10 +256,19 @@ def chunk_gated_delta_rule(
                 bf[b, lo:hi].transpose(0, 1),
                 s0,
                 chunk=chunk_size,
+                capture=offsets if offsets else None,
             )
+            o, s = res[0], res[1]
+            if offsets:
+                captured = res[2]  # type: ignore[misc]
             out[b, lo:hi] = o.transpose(0, 1)
         else:
             s = s0
+            if any(p != 0 for p in offsets):
+                raise ValueError(f"capture offsets {offsets} in an empty sequence")
+            captured = [s0 for _ in offsets]
+        for (_, dst), st in zip(caps[i], captured, strict=True):
+            capture_pool[dst] = st.transpose(-1, -2).to(capture_pool.dtype)  # type: ignore[index]
         finals[i] = s.transpose(-1, -2)
         if initial_state is not None:
             initial_state[slot] = finals[i].to(initial_state.dtype)
@@ -250,7 +319,8 @@ def fused_sigmoid_gating_delta_rule_update(
 
     Args:
         q, k: ``[1, T, H, K]``; v: ``[1, T, HV, V]``; a, b: ``[T, HV]`` (or ``[1, T, HV]``) raw gate
-            inputs, turned into ``g``/``beta`` as in :func:`sglang_sparse_kernels.sgl_kernel_cpu.gating.gdn_gates`.
+            inputs, turned into ``g``/``beta`` as in
+            :func:`sglang_sparse_kernels.sgl_kernel_cpu.gating.gdn_gates`.
         initial_state_source: state pool ``[S, HV, V, K]``, updated in place.
         initial_state_indices: ``[N]`` slots; negative = padding (skipped, zero output).
         cu_seqlens: ``[N + 1]`` token offsets (None: one token per sequence).

@@ -1,0 +1,392 @@
+"""In-forward state capture of the ``sparse`` backend (``SGLANG_SPARSE_CAPTURE=forward``).
+
+With ``cut`` (the default path of :mod:`.cache`) every planned position strictly inside a prefill
+extend ends the chunk there (one more forward, a closed batch) and SGLang's ``no_buffer`` strategy
+checkpoints the live state at the chunk end. With ``forward`` the extend is not cut: the states at
+those positions are written *during* the forward into Mamba pool slots reserved for them, and the
+next checkpoint of the request publishes them into the tree, in increasing position order, before
+its own (chunk-end / prompt-end / final) state. Chunk ends, prompt ends and finishes are still
+no_buffer's own checkpoints.
+
+Data flow (one scheduler step, no overlap schedule, page size 1 -- both required by no_buffer):
+
+1. ``ScheduleBatch.prepare_for_extend`` (AFTER hook, :func:`_prepare_for_extend_hook`):
+   :meth:`CaptureRadixCache.build_capture_plan` turns each request's planned positions ``p`` with
+   ``prefix_len < p < extend_end`` into ``(row, p - prefix_len, slot)``, allocating one pool slot per
+   capture (evicting tree states if the pool is short, else dropping the deepest captures of the
+   batch: deterministic, a pure function of the batch and the pool). The slots are *pending*
+   (``cache._capture_pending[rid]``), owned by the cache until published or freed.
+2. ``ForwardBatch.init_new`` (AFTER hook): the plan is popped from the ScheduleBatch and becomes
+   the process's *forward plan* (:mod:`.capture_state`) for exactly this forward (SGLang's eager
+   runner copies the ForwardBatch, so the plan cannot ride on it as an attribute).
+3. ``GDNAttnBackend._convolve_prefill`` (AROUND): before the conv kernel overwrites the working
+   slots, the conv state at every capture (the last ``W - 1`` pre-conv inputs, spliced from the
+   initial window when the offset is ``< W - 1``) goes to the capture slots
+   (:func:`~sglang_sparse_kernels.sgl_kernel_cpu.conv.capture_conv_states`).
+4. ``GDNKernelDispatcher.extend`` (AROUND): the list-capture form of the CPU GDN prefill op writes
+   the SSM state at every capture offset into the same slots, in the pool's layout and dtype
+   (:func:`~sglang_sparse_kernels.sgl_kernel_cpu.delta_rule.chunk_gated_delta_rule`).
+5. The request's next ``checkpoint`` (:meth:`CaptureRadixCache.checkpoint`) publishes the pending
+   slots with ``checkpoint_into_tree(req, up_to=p)``; :class:`CaptureMambaComponent` hands the
+   pre-filled slot to the insert (no allocation, no copy). A slot whose node already holds a state
+   is freed by SGLang's own cleanup (``mamba_exist``).
+
+Invariants:
+
+* every pending slot is either published into the tree or returned to the allocator: at the
+  next checkpoint, at ``on_release`` (finish, abort, retraction), at ``reset`` (flush); so at idle
+  every Mamba slot is free or held by the tree (SGLang's idle checker holds);
+* a slot is published only if *every* GDN layer wrote both its conv and SSM state in the forward
+  (``CapturePlan.complete``); otherwise it is freed (``capture_incomplete``), never published with
+  a stale state;
+* capture slots never equal a working slot of the batch (they come from the allocator), so the
+  kernels never overwrite an input state.
+
+Only the CPU path (the project's pure-torch ``sgl_kernel`` shim) implements steps 3-4; GPU kernels
+(Triton/FlashInfer list capture) are Step 2, and the factory refuses ``forward`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import SparseMambaComponent, SparseRadixCache
+from .capture_state import Active as _Active
+from .capture_state import clear as _clear_active
+from .capture_state import forward_plan as _forward_plan
+from .capture_state import set_forward_plan as _set_forward_plan
+
+logger = logging.getLogger("sglang_sparse")
+
+PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
+INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+CONV_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend._convolve_prefill"
+EXTEND_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
+HOOK_TARGETS = (PREPARE_TARGET, INIT_NEW_TARGET, CONV_TARGET, EXTEND_TARGET)
+
+
+@dataclass
+class CapturePlan:
+    """Captures of one extend forward, sorted by (row, offset).
+
+    ``rows[j]``: batch row (index into ``ScheduleBatch.reqs``, prefill rows come first);
+    ``offsets[j]``: tokens of that row's extend before the captured state (``0 < offset < extend_len``);
+    ``slots[j]``: virtual Mamba pool slot (allocator id). ``n_layers``: GDN layers of the model; the
+    plan is ``complete`` once every one of them wrote conv and SSM states."""
+
+    rows: list[int]
+    offsets: list[int]
+    slots: list[int]
+    n_layers: int
+    conv_layers: set[int] = field(default_factory=set)
+    ssm_layers: set[int] = field(default_factory=set)
+    _csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.conv_layers) == len(self.ssm_layers) == self.n_layers
+
+    def csr(self, n_seq: int, translate: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(cu [n_seq + 1], offsets [P], physical slots [P])`` int64 CPU tensors (built once)."""
+        if self._csr is None:
+            counts = [0] * n_seq
+            for r in self.rows:
+                counts[r] += 1
+            cu = torch.zeros(n_seq + 1, dtype=torch.int64)
+            cu[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+            slots = torch.tensor(self.slots, dtype=torch.int64)
+            if translate is not None:
+                slots = translate(slots).to(torch.int64).reshape(-1)
+            self._csr = (cu, torch.tensor(self.offsets, dtype=torch.int64), slots)
+        return self._csr
+
+
+@dataclass
+class _Pending:
+    """A reserved slot awaiting publication: absolute position, slot tensor ``[1]``, its plan."""
+
+    position: int
+    slot: torch.Tensor
+    plan: CapturePlan
+
+
+class CaptureMambaComponent(SparseMambaComponent):
+    """While the cache publishes a captured state, hand the pre-filled slot to the insert."""
+
+    def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
+        pub = getattr(self.cache, "_capture_publishing", None)
+        if pub is not None:
+            insert_params.mamba_value = pub.slot
+            return pub.position
+        return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+
+
+class CaptureRadixCache(SparseRadixCache):
+    """:class:`SparseRadixCache` with in-forward capture: no voluntary cuts, capture plans per
+    extend, publication at the next checkpoint, and no slot leak (see the module docstring)."""
+
+    capture_forward = True
+
+    def __init__(self, params, **kwargs: Any) -> None:
+        self._capture_pending: dict[str, list[_Pending]] = {}
+        self._capture_publishing: _Pending | None = None
+        self.capture_stats = {
+            "captures_planned": 0,  # planned interior positions seen by build_capture_plan
+            "captures_reserved": 0,  # slots reserved (planned minus dropped)
+            "captures_dropped": 0,  # no slot even after eviction
+            "captures_published": 0,  # handed to the tree (incl. duplicates freed by SGLang)
+            "captures_rejected": 0,  # admission said no at publish time
+            "captures_freed": 0,  # freed unpublished (abort, retraction, flush, not reached)
+            "captures_incomplete": 0,  # freed: not every layer wrote the slot
+            "capture_forwards": 0,  # forwards that carried a plan
+        }
+        super().__init__(params, **kwargs)
+        self._n_gdn_layers = int(self.req_to_token_pool.mamba_pool.mamba_cache.temporal.shape[0])
+
+    # ------------------------------------------------------------------ planning
+
+    def next_cut(self, req, prefix_len: int) -> int | None:
+        """No voluntary cut: interior positions are captured in the forward."""
+        return None
+
+    def planned_positions(self, req) -> tuple[int, ...]:
+        """The request's planned capture positions (absolute token counts, increasing)."""
+        plan = self.policy.get_plan(req.rid)
+        return () if plan is None else tuple(sorted(plan.positions))
+
+    def build_capture_plan(self, batch) -> CapturePlan | None:
+        """Reserve one slot per planned position strictly inside each row's extend (step 1)."""
+        want: list[tuple[int, int, int]] = []  # (row, offset, absolute position)
+        decoding = getattr(batch, "decoding_reqs", None) or ()
+        for row, req in enumerate(batch.reqs):
+            if req in decoding or getattr(req, "skip_radix_cache_insert", False):
+                continue
+            if not self.policy.has_plan(req.rid):
+                continue
+            lo, hi = int(req.prefix_len), int(req.extend_end)
+            for p in self.planned_positions(req):
+                if lo < p < hi:
+                    want.append((row, p - lo, p))
+        if not want:
+            return None
+        self.capture_stats["captures_planned"] += len(want)
+        alloc = self.req_to_token_pool.mamba_allocator
+        # Keep one slot per row for the chunk-end / prompt-end checkpoint of this step.
+        reserve = len(batch.reqs)
+        short = len(want) + reserve - int(alloc.available_size())
+        if short > 0:
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+            self.evict(EvictParams(mamba_num=short))
+        n = min(len(want), max(int(alloc.available_size()) - reserve, 0))
+        if n < len(want):
+            # Deterministic drop: keep the shallowest positions (they serve the most later
+            # requests), ties in batch row order; drop the deepest.
+            want.sort(key=lambda w: (w[2], w[0]))
+            self.capture_stats["captures_dropped"] += len(want) - n
+            want = sorted(want[:n])
+        if not want:
+            return None
+        slots = alloc.alloc(len(want))
+        if slots is None:
+            self.capture_stats["captures_dropped"] += len(want)
+            return None
+        slots = slots.reshape(-1)
+        plan = CapturePlan(
+            rows=[w[0] for w in want],
+            offsets=[w[1] for w in want],
+            slots=[int(s) for s in slots.tolist()],
+            n_layers=self._n_gdn_layers,
+        )
+        for j, (row, _, p) in enumerate(want):
+            rid = batch.reqs[row].rid
+            self._capture_pending.setdefault(rid, []).append(_Pending(p, slots[j : j + 1].clone(), plan))
+        self.capture_stats["captures_reserved"] += len(want)
+        return plan
+
+    # ------------------------------------------------------------------ publish / free
+
+    def _free_slot(self, slot: torch.Tensor) -> None:
+        self.req_to_token_pool.mamba_allocator.free(slot)
+
+    def _free_pending(self, rid: str, key: str = "captures_freed") -> None:
+        for e in self._capture_pending.pop(rid, ()):
+            self._free_slot(e.slot)
+            self.capture_stats[key] += 1
+
+    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        self.publish_captures(req, up_to)
+        super().checkpoint(req, up_to=up_to, **kwargs)
+
+    def publish_captures(self, req, up_to: int) -> None:
+        """Insert the request's captured states at positions ``<= up_to`` in increasing order."""
+        pending = self._capture_pending.pop(req.rid, None)
+        if not pending:
+            return
+        alloc = self.req_to_token_pool.mamba_allocator
+        for e in sorted(pending, key=lambda e: e.position):
+            if not e.plan.complete:
+                if not self.capture_stats["captures_incomplete"]:
+                    logger.warning(
+                        "sparse capture: plan incomplete (conv layers %d, ssm layers %d, of %d); "
+                        "freeing its slots",
+                        len(e.plan.conv_layers),
+                        len(e.plan.ssm_layers),
+                        e.plan.n_layers,
+                    )
+                self._free_slot(e.slot)
+                self.capture_stats["captures_incomplete"] += 1
+                continue
+            if e.position > up_to or e.position <= int(req.kv.cache_protected_len):
+                self._free_slot(e.slot)
+                self.capture_stats["captures_freed"] += 1
+                continue
+            if not self.policy.admit(
+                req.rid, e.position, finished=False, free_slots=int(alloc.available_size())
+            ):
+                self._free_slot(e.slot)
+                self.capture_stats["captures_rejected"] += 1
+                continue
+            # The tree reads req.finished() to tell a mid-request checkpoint (KV stays with the
+            # request, state slot donated) from the final insert: a captured state is always the
+            # former, also when it is published by the finishing request's release.
+            reason = req.finished_reason
+            req.finished_reason = None
+            self._capture_publishing = e
+            try:
+                self.checkpoint_into_tree(req, up_to=e.position)
+            finally:
+                self._capture_publishing = None
+                req.finished_reason = reason
+            self.capture_stats["captures_published"] += 1
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        self._free_pending(req.rid)
+        super().on_release(req, checkpointed=checkpointed)
+
+    def reset(self) -> None:
+        pending = getattr(self, "_capture_pending", None)
+        if pending:
+            for rid in list(pending):
+                self._free_pending(rid)
+        super().reset()
+
+    def pending_capture_slots(self) -> int:
+        return sum(len(v) for v in self._capture_pending.values())
+
+    def sparse_stats(self) -> dict[str, Any]:
+        d = super().sparse_stats()
+        d.update(self.capture_stats, capture_mode="forward", captures_pending=self.pending_capture_slots())
+        return d
+
+
+# ---------------------------------------------------------------------- hooks
+
+
+def hooks_applied() -> bool:
+    """True when SGLang applied all four hooks in this process (checked by the factory)."""
+    import pkgutil
+
+    for target in HOOK_TARGETS:
+        obj_path, attr = target.rsplit(".", 1)
+        fn = pkgutil.resolve_name(obj_path).__dict__.get(attr)
+        fn = getattr(fn, "__func__", fn)
+        if fn is None or not hasattr(fn, "__wrapped__"):
+            return False
+    return True
+
+
+def _prepare_for_extend_hook(result, self, *args, **kwargs):
+    cache = getattr(self, "tree_cache", None)
+    if not getattr(cache, "capture_forward", False):
+        return result
+    if not self.forward_mode.is_extend() or self.is_dllm():
+        return result
+    plan = cache.build_capture_plan(self)
+    if plan is not None:
+        self.sparse_capture = plan
+    return result
+
+
+def _init_new_hook(result, cls, batch, *args, **kwargs):
+    plan = batch.__dict__.pop("sparse_capture", None) if hasattr(batch, "__dict__") else None
+    _set_forward_plan(plan)
+    if plan is not None:
+        cache = getattr(batch, "tree_cache", None)
+        if cache is not None and hasattr(cache, "capture_stats"):
+            cache.capture_stats["capture_forwards"] += 1
+    return result
+
+
+def _convolve_prefill_hook(original, self, layer, forward_batch, mixed_qkv, conv_states, cache_indices):
+    plan: CapturePlan | None = _forward_plan()
+    _clear_active()
+    mode = forward_batch.forward_mode
+    if (
+        plan is not None
+        and (mode.is_extend() or mode.is_mixed())
+        and not mode.is_target_verify()
+        and getattr(self, "mis_metadata", None) is None
+    ):
+        from sglang_sparse_kernels.sgl_kernel_cpu.conv import capture_conv_states
+
+        qsl = self.forward_metadata.query_start_loc
+        n_seq = int(qsl.numel()) - 1
+        if max(plan.rows) >= n_seq:  # not this plan's forward: leave it incomplete (slots freed)
+            return original(self, layer, forward_batch, mixed_qkv, conv_states, cache_indices)
+        cu, offs, slots = plan.csr(n_seq, getattr(self.req_to_token_pool, "translate_mamba_indices", None))
+        pool = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id).conv[0]
+        capture_conv_states(
+            mixed_qkv,
+            conv_states,
+            qsl,
+            cache_indices,
+            forward_batch.extend_prefix_lens > 0,
+            cu,
+            offs,
+            slots,
+            capture_pool=pool,
+        )
+        plan.conv_layers.add(int(layer.layer_id))
+        _Active.layer_id, _Active.plan, _Active.n_seq = int(layer.layer_id), plan, n_seq
+    return original(self, layer, forward_batch, mixed_qkv, conv_states, cache_indices)
+
+
+def _extend_hook(original, self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, **kwargs):
+    plan = _Active.plan
+    layer_id = kwargs.get("layer_id")
+    if plan is None or layer_id is None or int(layer_id) != _Active.layer_id:
+        return original(
+            self, q, k, v, g, beta,
+            ssm_states=ssm_states, cache_indices=cache_indices, query_start_loc=query_start_loc, **kwargs,
+        )  # fmt: skip
+    n_seq = _Active.n_seq
+    _clear_active()
+    from sglang_sparse_kernels.sgl_kernel_cpu.delta_rule import chunk_gated_delta_rule
+
+    cu, offs, slots = plan.csr(n_seq)
+    o, final = chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_states,
+        True,
+        query_start_loc,
+        False,
+        True,
+        cache_indices,
+        capture_cu=cu,
+        capture_offsets=offs,
+        capture_slots=slots,
+        capture_pool=ssm_states,
+    )
+    plan.ssm_layers.add(int(layer_id))
+    if plan.complete:
+        _set_forward_plan(None)  # every GDN layer wrote it: nothing later may write these slots
+    return o, final, None
