@@ -21,10 +21,11 @@ variable (JSON key)                default    meaning
                                                must be 0/auto for non-FLOP-aware policies
 ``SGLANG_SPARSE_GRID``              64         chunk grid of candidate positions (int >= 1)
 (``grid``)
-``SGLANG_SPARSE_MIN_CUT_GAIN``      32         engine cost of a capture inside a prefill, in tokens: a
+``SGLANG_SPARSE_MIN_CUT_GAIN``      auto       engine cost of a capture inside a prefill, in tokens: a
 (``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
                                                the resume point or the previous capture (each one costs an
-                                               extra forward on the chunk-cut path; 0 = capture them all)
+                                               extra forward on the chunk-cut path; 0 = capture them all).
+                                               Default: 0 with ``capture=forward``, 32 with ``cut``
 ``SGLANG_SPARSE_TUNE_WINDOW``       200        requests per alpha-tuning window (int >= 1)
 (``tune_window``)
 ``SGLANG_SPARSE_LOG_EVERY``         100        log a stats line every N finished requests (0: off)
@@ -59,6 +60,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENV_PREFIX = "SGLANG_SPARSE_"
+#: default ``min_cut_gain`` on the chunk-cut capture path (tokens; an extra forward costs ~50-80)
+CUT_MIN_GAIN = 32
 CONFIG_ENV = "SGLANG_SPARSE_CONFIG"
 
 
@@ -76,7 +79,7 @@ class SparseConfig:
     refresh: int = 10
     alpha: float | None = None  # None = "auto"
     grid: int = 64
-    min_cut_gain: int = 32
+    min_cut_gain: int | None = None  # None: 0 with capture=forward, CUT_MIN_GAIN with cut
     tune_window: int = 200
     log_every: int = 100
     free_states: bool = True

@@ -17,6 +17,7 @@ whose exceptions abort server start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -179,7 +180,7 @@ def sparse_cache_factory(ctx: Any):
         SparseRadixCache,
         make_sparse_tree_core,
     )
-    from .config import SparseConfig
+    from .config import CUT_MIN_GAIN, SparseConfig
     from .tree_policy import TreePolicy
 
     config = SparseConfig.from_env()  # SparseConfigError names the variable
@@ -229,10 +230,6 @@ def sparse_cache_factory(ctx: Any):
     mamba_slots = int(p.req_to_token_pool.mamba_allocator.available_size())
     kv_tokens = int(p.token_to_kv_pool_allocator.available_size())
     budget = kv_tokens * kv_bytes + mamba_slots * state_bytes
-    policy = TreePolicy(
-        config, budget_bytes=budget, cost=cost, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes
-    )
-
     p.component_registry_override = {
         **(p.component_registry_override or {}),
         ComponentType.MAMBA: SparseMambaComponent,
@@ -269,6 +266,15 @@ def sparse_cache_factory(ctx: Any):
             )
         p.component_registry_override[ComponentType.MAMBA] = CaptureMambaComponent
         cache_class = CaptureRadixCache
+
+    # A capture inside a prefill costs an extra forward only on the cut path: there the default
+    # min-cut-gain skips captures worth fewer tokens than that forward; in the forward they are free.
+    if config.min_cut_gain is None:
+        config = dataclasses.replace(config, min_cut_gain=0 if capture == "forward" else CUT_MIN_GAIN)
+    config = dataclasses.replace(config, capture=capture)
+    policy = TreePolicy(
+        config, budget_bytes=budget, cost=cost, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes
+    )
 
     def build(params):
         return cache_class(params, policy=policy, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)

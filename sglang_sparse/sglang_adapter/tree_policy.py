@@ -146,7 +146,7 @@ class TreePolicy:
             refresh=self.config.refresh,
             plan_budget=self.config.edge_budget,
             grid=self.config.grid,
-            min_cut_gain=self.config.min_cut_gain,
+            min_cut_gain=self.config.min_cut_gain or 0,  # None (auto) outside the factory: 0
         )
         if tree is not cache.tree:
             cache.tree = tree

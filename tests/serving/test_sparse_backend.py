@@ -362,7 +362,7 @@ def test_config_sources(tmp_path: Path) -> None:
     cfg = SparseConfig.from_env({"SGLANG_SPARSE_CONFIG": str(f), "SGLANG_SPARSE_GAMMA": "0.95"})
     assert (cfg.policy, cfg.gamma, cfg.alpha) == ("marconi", 0.95, 0.5)  # env wins over JSON
     assert SparseConfig.from_env({}).alpha_auto
-    assert SparseConfig.from_env({}).min_cut_gain == 32
+    assert SparseConfig.from_env({}).min_cut_gain is None  # auto: 0 with capture=forward, 32 with cut
     assert SparseConfig.from_env({"SGLANG_SPARSE_MIN_CUT_GAIN": "0"}).min_cut_gain == 0
 
 
