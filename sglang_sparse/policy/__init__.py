@@ -10,7 +10,7 @@ from sglang_sparse.policy.cost_model import (
 )
 
 from .admission import ADMISSIONS, capture_positions, marconi_branch_point
-from .cache import HybridCache
+from .cache import CacheSnapshot, HybridCache
 from .eviction import EvictionConfig, Evictor
 from .registry import POLICIES, POLICY_NAMES, PolicySpec, get_policy
 from .tuner import DEFAULT_ALPHA_GRID, AlphaTuner
@@ -25,6 +25,7 @@ __all__ = [
     "EvictionConfig",
     "Evictor",
     "GatedDeltaNetSpec",
+    "CacheSnapshot",
     "HybridCache",
     "Mamba2Spec",
     "MLPSpec",

@@ -18,11 +18,13 @@ Units: tokens, bytes (``budget_bytes`` is shared by KV and states), FLOPs.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_sparse.placement import DEFAULT_GRID
-from sglang_sparse.tree import Freed, InsertResult, KVOps, MatchResult, Node, RadixTree
+from sglang_sparse.tree import Freed, InsertResult, KVOps, MatchResult, Node, RadixTree, TreeSnapshot
 from sglang_sparse.tree.radix import LawProvider, Tokens
 
 from .admission import capture_positions
@@ -32,8 +34,34 @@ from .registry import PolicySpec, get_policy
 from .tail_prior import TailPrior
 
 
+@dataclass
+class CacheSnapshot:
+    """Flat, picklable state of a :class:`HybridCache` (no node objects, nothing recursive in depth).
+
+    ``tree``: the radix tree (:class:`~sglang_sparse.tree.TreeSnapshot`; it also carries
+    ``kv_bytes_per_token``/``state_bytes`` in bytes and ``gamma``/``refresh``/``plan_budget``/
+    ``grid``); ``policy``: the policy name or spec; ``budget_bytes`` (bytes, KV + states);
+    ``cost``: the cost model (``None`` for policies that are not FLOP-aware); ``alpha``: the
+    eviction weight in use (>= 0); ``min_cut_gain`` (tokens); ``tail``: the learned
+    :class:`TailPrior` (``None`` = a fresh one). Engines that keep their own tree build ``tree``
+    with :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest from their config.
+    """
+
+    tree: TreeSnapshot
+    policy: str | PolicySpec
+    budget_bytes: int
+    cost: ModelCostModel | None = None
+    alpha: float = 0.0
+    min_cut_gain: int = 0
+    tail: TailPrior | None = None
+
+
 class HybridCache:
-    """Radix tree + named policy + global byte budget."""
+    """Radix tree + named policy + global byte budget.
+
+    Copies (``copy.deepcopy``, ``pickle``) go through the tree's flat snapshot (see
+    :meth:`RadixTree.to_snapshot`): never recursive in tree depth, and the copy takes the same
+    future decisions. :meth:`snapshot` / :meth:`from_snapshot` expose the flat form (alpha tuner)."""
 
     def __init__(
         self,
@@ -93,6 +121,53 @@ class HybridCache:
             alpha if self.spec.flop_aware else 0.0,
             capacity_bytes=self.budget_bytes,
         )
+
+    # ------------------------------------------------------------------ flat snapshot
+
+    def snapshot(self) -> CacheSnapshot:
+        """The cache's state as flat data (tree handles shared, the tail prior copied)."""
+        return CacheSnapshot(
+            tree=self.tree.to_snapshot(),
+            policy=self.spec,
+            budget_bytes=self.budget_bytes,
+            cost=self.cost,
+            alpha=self.alpha,
+            min_cut_gain=self.min_cut_gain,
+            tail=copy.deepcopy(self.tail),
+        )
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        snap: CacheSnapshot,
+        *,
+        kv_ops: KVOps | None = None,
+        law_provider: LawProvider | None = None,
+    ) -> HybridCache:
+        """A cache equal to the one ``snap`` describes (same future decisions); ``snap`` is not
+        modified and can be reused (each call builds an independent cache)."""
+        t = snap.tree
+        cache = cls(
+            snap.policy,
+            budget_bytes=snap.budget_bytes,
+            cost=snap.cost,
+            kv_bytes_per_token=t.kv_bytes_per_token,
+            state_bytes=t.state_bytes,
+            alpha=snap.alpha,
+            kv_ops=kv_ops,
+            law_provider=law_provider,
+            gamma=t.gamma,
+            refresh=t.refresh,
+            plan_budget=t.plan_budget,
+            grid=t.grid,
+            min_cut_gain=snap.min_cut_gain,
+        )
+        cache.tree = RadixTree.from_snapshot(t, kv_ops=kv_ops, law_provider=law_provider)
+        cache.evictor.tree = cache.tree
+        cache.evictor.invalidate()
+        if snap.tail is not None:
+            cache.tail = copy.deepcopy(snap.tail)
+        return cache
 
     # ------------------------------------------------------------------ knobs
 

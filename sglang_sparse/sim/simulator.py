@@ -28,7 +28,14 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from sglang_sparse.policy import AlphaTuner, HybridCache, ModelCostModel, PolicySpec, get_policy
+from sglang_sparse.policy import (
+    AlphaTuner,
+    CacheSnapshot,
+    HybridCache,
+    ModelCostModel,
+    PolicySpec,
+    get_policy,
+)
 from sglang_sparse.tree import as_tokens
 
 from .oracle import OracleLaw
@@ -162,7 +169,9 @@ def simulate(
             hr = float(np.mean(hits[-window:]))
             if not res.alphas or tuner.should_retune(hr):
                 lo = max(0, i + 1 - window)
-                evaluate = functools.partial(warm_replay_score, snapshot, prepared[lo : i + 1], cost)
+                evaluate = functools.partial(
+                    warm_replay_score, snapshot, prepared[lo : i + 1], cost, law_provider=oracle
+                )
                 a = tuner.tune(evaluate, at_request=i + 1, current=cache.alpha if res.alphas else None)
                 cache.alpha = a
                 res.alphas.append((i + 1, a))
@@ -191,23 +200,29 @@ def _serve(
     return c, kv, saved, total, len(plan)
 
 
-def _snapshot(cache: HybridCache, oracle: OracleLaw | None) -> HybridCache:
-    """A deep copy of the cache (the oracle law provider is shared, not copied)."""
-    memo = {id(oracle): oracle} if oracle is not None else {}
-    return copy.deepcopy(cache, memo)
+def _snapshot(cache: HybridCache, oracle: OracleLaw | None) -> CacheSnapshot:
+    """The cache's flat snapshot (no node objects: pickled to the tuner's worker processes without
+    recursing per tree level); the oracle law provider is passed separately, not copied."""
+    del oracle  # not part of the snapshot: warm_replay_score receives it as ``law_provider``
+    return cache.snapshot()
 
 
 def warm_replay_score(
-    snapshot: HybridCache,
+    snapshot: CacheSnapshot | HybridCache,
     window: Sequence[tuple[np.ndarray, np.ndarray]],
     cost: ModelCostModel,
     alpha: float,
+    *,
+    law_provider: OracleLaw | None = None,
 ) -> float:
     """Tuner target: FLOPs saved replaying ``window`` (prepared ``(input, input+output)`` pairs) from
     a copy of the cache as it was when the window began, with ``alpha`` applied. Warm starts make
     the score reflect the contention that alpha will actually face (a cold replay from an empty
     cache, as in Marconi's bootstrap, mostly measures warm-up)."""
-    cache = copy.deepcopy(snapshot)
+    if isinstance(snapshot, CacheSnapshot):  # flat form: rebuilt iteratively, never modified
+        cache = HybridCache.from_snapshot(snapshot, law_provider=law_provider)
+    else:  # a cache, or any object whose deep copy is one (the SGLang adapter's engine snapshot)
+        cache = copy.deepcopy(snapshot)
     cache.alpha = alpha
     ids = itertools.count(1)
     return float(sum(_serve(cache, inp, full, cost, ids)[2] for inp, full in window))

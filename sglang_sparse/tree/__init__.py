@@ -3,6 +3,7 @@
 from .mirror import MirrorError, MirrorTree, Span
 from .node import CheckpointMap, Node
 from .radix import Freed, InsertResult, KVOps, MatchResult, RadixTree, as_tokens
+from .snapshot import SnapshotError, TreeSnapshot, TreeSnapshotBuilder
 
 __all__ = [
     "CheckpointMap",
@@ -14,6 +15,9 @@ __all__ = [
     "MirrorTree",
     "Node",
     "RadixTree",
+    "SnapshotError",
     "Span",
+    "TreeSnapshot",
+    "TreeSnapshotBuilder",
     "as_tokens",
 ]

@@ -40,13 +40,16 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram, grid_candidates, solve_dp
 
 from .node import EMPTY_KEY, Node
+
+if TYPE_CHECKING:
+    from .snapshot import TreeSnapshot
 
 Tokens = Sequence[int] | np.ndarray
 _INT32 = np.dtype(np.int32)  # the canonical int32 descriptor (an identity check is ~4x cheaper than ==)
@@ -916,6 +919,59 @@ class RadixTree:
             n = n.parent
         return 0
 
+    # ------------------------------------------------------------------ flat snapshot / copies
+
+    def to_snapshot(self) -> TreeSnapshot:
+        """The tree as a flat :class:`~sglang_sparse.tree.snapshot.TreeSnapshot` (iterative; handles
+        shared, arrays fresh). ``RadixTree.from_snapshot(t.to_snapshot())`` takes the same future
+        decisions as ``t``."""
+        from .snapshot import tree_to_snapshot
+
+        return tree_to_snapshot(self)
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        snap: TreeSnapshot,
+        *,
+        kv_ops: KVOps | None = None,
+        law_provider: LawProvider | None = None,
+    ) -> RadixTree:
+        """Rebuild a tree from ``snap`` (validated: raises ``SnapshotError``, a ``ValueError``, naming
+        the broken invariant). Derived indexes (leaves, evictable sets, LRU heap, totals) are rebuilt."""
+        from .snapshot import tree_from_snapshot
+
+        return tree_from_snapshot(snap, kv_ops=kv_ops, law_provider=law_provider, cls=cls)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickle through the flat snapshot (never recursive in tree depth). Subclasses with their
+        own state (``MirrorTree``) keep the default object protocol."""
+        if type(self) is not RadixTree:
+            return object.__reduce_ex__(self, protocol)
+        extra = {k: v for k, v in self.__dict__.items() if k not in _TREE_ATTRS}
+        return (_rebuild_tree, (self.to_snapshot(), self.kv_ops, self.law_provider, extra))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RadixTree:
+        """Deep copy through the flat snapshot: handles, ``kv_ops`` and ``law_provider`` go through
+        ``copy.deepcopy`` with ``memo`` (so a caller can share e.g. a law provider by seeding it)."""
+        import copy
+
+        if type(self) is not RadixTree:
+            rv = object.__reduce_ex__(self, 4)
+            return copy._reconstruct(self, memo, *rv)  # noqa: SLF001 - the default deepcopy path
+        snap = self.to_snapshot()
+        snap.kv = copy.deepcopy(snap.kv, memo)
+        snap.ckpt_handle = copy.deepcopy(snap.ckpt_handle, memo)
+        extra = {k: v for k, v in self.__dict__.items() if k not in _TREE_ATTRS}
+        out = _rebuild_tree(
+            snap,
+            copy.deepcopy(self.kv_ops, memo),
+            copy.deepcopy(self.law_provider, memo),
+            copy.deepcopy(extra, memo),
+        )
+        memo[id(self)] = out
+        return out
+
     def check(self) -> None:
         """Assert every structural and accounting invariant (tests call this after each step)."""
         kv_tokens = states = count = 0
@@ -950,3 +1006,37 @@ class RadixTree:
         for n in self.nodes():
             for p, h in n.checkpoints.items():
                 yield n, p, h
+
+
+#: ``RadixTree.__dict__`` entries captured by :class:`TreeSnapshot` or rebuilt from it.
+_TREE_ATTRS = frozenset(
+    {
+        "kv_bytes_per_token",
+        "state_bytes",
+        "kv_ops",
+        "gamma",
+        "refresh",
+        "plan_budget",
+        "grid",
+        "law_provider",
+        "clock",
+        "_uid",
+        "root",
+        "kv_tokens",
+        "num_states",
+        "num_nodes",
+        "leaves",
+        "evictable_leaves",
+        "evictable_ckpt_nodes",
+        "_lru_heap",
+    }
+)
+
+
+def _rebuild_tree(
+    snap: TreeSnapshot, kv_ops: KVOps | None, law_provider: LawProvider | None, extra: dict[str, Any]
+) -> RadixTree:
+    """Unpickling helper: :meth:`RadixTree.from_snapshot` plus any extra instance attributes."""
+    tree = RadixTree.from_snapshot(snap, kv_ops=kv_ops, law_provider=law_provider)
+    tree.__dict__.update(extra)
+    return tree

@@ -1,0 +1,509 @@
+"""Flat, explicit snapshot of a :class:`~sglang_sparse.tree.RadixTree` (no per-level recursion).
+
+A :class:`TreeSnapshot` holds the whole tree as flat arrays/lists indexed by *node index* ``i``
+(``0 .. n-1``) in preorder: index 0 is the root, ``parent[i] < i`` for every other node, and the
+children of a node appear in the order of its ``children`` dict (so rebuilding reproduces the
+same iteration order, hence the same decisions). Snapshotting, rebuilding, ``copy.deepcopy`` and
+``pickle`` of a tree all go through this form and are iterative: a 100,000-level chain (a long
+multi-turn session) copies like any other tree, under the default recursion limit.
+
+Fields (units: tokens for depths and lengths, logical clock ticks for clocks, bytes for sizes):
+
+* tree configuration: ``kv_bytes_per_token`` (bytes), ``state_bytes`` (bytes per checkpoint),
+  ``gamma``/``refresh`` (of every edge's :class:`~sglang_sparse.placement.DepthHistogram`),
+  ``plan_budget`` (checkpoints per edge), ``grid`` (tokens);
+* counters: ``clock`` (the tree's logical clock, ``>=`` every access clock below), ``uid_counter``
+  (the last uid handed out; ``>=`` every ``uid``);
+* per node ``i`` (arrays of length ``n``): ``parent`` (int64, ``-1`` for the root), ``uid``
+  (int64, unique), ``start`` (int64, depth before the edge: the parent's end, 0 for the root),
+  ``last_access`` (int64 clock), ``lock_ref`` (int64 >= 0; the root's is >= 1 and a node's is >=
+  the sum of its children's), ``version`` (int64), ``plan_fresh`` (bool), ``kv`` (list of opaque
+  KV handles, the root's ``None``);
+* edge tokens: ``keys`` (int32, every edge's tokens concatenated in node order) and
+  ``key_offsets`` (int64, length ``n + 1``, ``key_offsets[0] == 0``): node ``i``'s edge is
+  ``keys[key_offsets[i]:key_offsets[i+1]]``, empty for the root and non-empty otherwise; its end
+  depth is ``start[i] + len(edge)``; siblings start with different tokens;
+* checkpoints (arrays of length ``m``, sorted by node index then position): ``ckpt_node`` (int64
+  node index), ``ckpt_pos`` (int64 absolute depth ``p`` with ``start < p <= end`` of that node),
+  ``ckpt_access`` (int64 clock of creation / last use as a resume point), ``ckpt_handle`` (list of
+  opaque state handles);
+* plans: ``plan_offsets`` (int64, ``n + 1``) and ``plan_pos`` (int64): node ``i``'s current
+  placement plan is ``plan_pos[plan_offsets[i]:plan_offsets[i+1]]`` (absolute depths);
+* histograms (arrays of length ``h``, one per node holding one, in node order): ``hist_node``
+  (int64 node index), ``hist_scale`` (float64 internal scale), ``hist_since`` (int64 observations
+  since the last re-plan), ``hist_count`` (int64 observations ever), and the bins
+  ``hist_bin_offsets`` (int64, ``h + 1``), ``hist_bin_depth`` (int64 depths, tokens),
+  ``hist_bin_weight`` (float64 *scaled* weights, i.e. weight times ``hist_scale``), in the
+  histogram's insertion order (float sums are order-sensitive; keep it for bit-exact copies).
+
+Derived indexes (leaf set, evictable sets, the LRU heap, node counts and byte totals, and the
+policy's candidate index) are never stored: :func:`tree_from_snapshot` rebuilds them.
+
+To build a snapshot from another tree (e.g. SGLang's own radix tree, for the alpha tuner), use
+:class:`TreeSnapshotBuilder`: ``add_node`` once per node, parents before children, then ``build``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram
+
+from .node import EMPTY_KEY, Node
+
+if TYPE_CHECKING:
+    from .radix import KVOps, LawProvider, RadixTree
+
+_I64 = np.int64
+
+
+def _i64(a: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=_I64).reshape(-1))
+
+
+class SnapshotError(ValueError):
+    """A :class:`TreeSnapshot` violates one of its documented invariants (message says which)."""
+
+
+@dataclass
+class TreeSnapshot:
+    """The flat form of a radix tree (see the module docstring for every field's meaning).
+
+    Construct it directly (all fields by keyword), with :class:`TreeSnapshotBuilder`, or with
+    :meth:`RadixTree.to_snapshot`; :meth:`RadixTree.from_snapshot` validates it."""
+
+    kv_bytes_per_token: int
+    state_bytes: int
+    parent: np.ndarray
+    keys: np.ndarray
+    key_offsets: np.ndarray
+    start: np.ndarray
+    uid: np.ndarray
+    last_access: np.ndarray
+    lock_ref: np.ndarray
+    kv: list[Any]
+    clock: int
+    uid_counter: int
+    version: np.ndarray | None = None
+    plan_fresh: np.ndarray | None = None
+    ckpt_node: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
+    ckpt_pos: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
+    ckpt_access: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
+    ckpt_handle: list[Any] = field(default_factory=list)
+    plan_offsets: np.ndarray | None = None
+    plan_pos: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
+    hist_node: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
+    hist_scale: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
+    hist_since: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
+    hist_count: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
+    hist_bin_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, _I64))
+    hist_bin_depth: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
+    hist_bin_weight: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
+    gamma: float = 0.99
+    refresh: int = 10
+    plan_budget: int = 4
+    grid: int = DEFAULT_GRID
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes including the root."""
+        return len(self.parent)
+
+    def node_key(self, i: int) -> np.ndarray:
+        """Edge tokens of node ``i`` (a view into :attr:`keys`)."""
+        return self.keys[self.key_offsets[i] : self.key_offsets[i + 1]]
+
+
+class TreeSnapshotBuilder:
+    """Builds a :class:`TreeSnapshot` node by node (parents before children), e.g. from an engine's
+    own radix tree. Index 0 (the root, empty edge, ``lock_ref`` 1) exists from the start.
+
+    ``add_node(parent, tokens, ...)`` returns the new node's index; ``start`` is derived (the
+    parent's end depth). ``checkpoints`` maps absolute depths in ``(start, end]`` to handles;
+    ``ckpt_access`` their clocks (default ``last_access``). ``build(clock=...)`` defaults the clock
+    to the newest access clock seen and the uid counter to the largest uid."""
+
+    def __init__(
+        self,
+        kv_bytes_per_token: int,
+        state_bytes: int,
+        *,
+        gamma: float = 0.99,
+        refresh: int = 10,
+        plan_budget: int = 4,
+        grid: int = DEFAULT_GRID,
+        root_uid: int = 1,
+    ) -> None:
+        self.config = {
+            "kv_bytes_per_token": int(kv_bytes_per_token),
+            "state_bytes": int(state_bytes),
+            "gamma": float(gamma),
+            "refresh": int(refresh),
+            "plan_budget": int(plan_budget),
+            "grid": int(grid),
+        }
+        self._parent = [-1]
+        self._keys: list[np.ndarray] = [EMPTY_KEY]
+        self._start = [0]
+        self._end = [0]
+        self._uid = [int(root_uid)]
+        self._last = [0]
+        self._lock = [1]
+        self._kv: list[Any] = [None]
+        self._max_uid = int(root_uid)
+        self._plan: list[tuple[int, ...]] = [()]
+        self._fresh = [False]
+        self._hist: list[tuple[int, DepthHistogram]] = []
+        self._ck: list[tuple[int, int, int, Any]] = []
+
+    def add_node(
+        self,
+        parent: int,
+        tokens: Any,
+        *,
+        kv: Any = None,
+        checkpoints: dict[int, Any] | None = None,
+        ckpt_access: dict[int, int] | None = None,
+        last_access: int = 0,
+        lock_ref: int = 0,
+        uid: int | None = None,
+        hist: DepthHistogram | None = None,
+        plan: tuple[int, ...] = (),
+        plan_fresh: bool = False,
+    ) -> int:
+        """Append a child of node index ``parent`` with edge ``tokens``; return its index.
+
+        Optional policy state: ``hist`` (the edge's depth histogram, copied; ``None`` = no
+        observation yet), ``plan`` (absolute depths of its current placement plan) and
+        ``plan_fresh`` (see :class:`~sglang_sparse.tree.node.Node`)."""
+        if not 0 <= parent < len(self._parent):
+            raise SnapshotError(f"parent index {parent} is not an earlier node (have {len(self._parent)})")
+        key = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        if key.size == 0:
+            raise SnapshotError("a non-root node needs a non-empty edge")
+        i = len(self._parent)
+        start = self._end[parent]
+        self._parent.append(int(parent))
+        self._keys.append(key)
+        self._start.append(start)
+        self._end.append(start + int(key.size))
+        u = int(uid) if uid is not None else self._max_uid + 1
+        self._max_uid = max(self._max_uid, u)
+        self._uid.append(u)
+        self._last.append(int(last_access))
+        self._lock.append(int(lock_ref))
+        self._kv.append(kv)
+        self._plan.append(tuple(int(p) for p in plan))
+        self._fresh.append(bool(plan_fresh))
+        if hist is not None:
+            self._hist.append((i, hist))
+        acc = ckpt_access or {}
+        for p in sorted(checkpoints or {}):
+            self._ck.append((i, int(p), int(acc.get(p, last_access)), checkpoints[p]))  # type: ignore[index]
+        return i
+
+    def build(self, *, clock: int | None = None, uid_counter: int | None = None) -> TreeSnapshot:
+        """The snapshot (validated later by :meth:`RadixTree.from_snapshot`)."""
+        lens = np.fromiter((len(k) for k in self._keys), dtype=_I64, count=len(self._keys))
+        offs = np.zeros(len(lens) + 1, dtype=_I64)
+        np.cumsum(lens, out=offs[1:])
+        ck = self._ck
+        newest = max(max(self._last), max((c[2] for c in ck), default=0))
+        plan_offs = np.zeros(len(self._plan) + 1, dtype=_I64)
+        np.cumsum([len(p) for p in self._plan], out=plan_offs[1:])
+        hs = [h for _, h in self._hist]
+        h_offs = np.zeros(len(hs) + 1, dtype=_I64)
+        np.cumsum([len(h._bins) for h in hs], out=h_offs[1:])  # noqa: SLF001
+        return TreeSnapshot(
+            version=np.zeros(len(self._parent), dtype=_I64),
+            plan_fresh=np.asarray(self._fresh, dtype=np.bool_),
+            plan_offsets=plan_offs,
+            plan_pos=_i64([p for pl in self._plan for p in pl]),
+            hist_node=_i64([i for i, _ in self._hist]),
+            hist_scale=np.asarray([h._scale for h in hs], dtype=np.float64),  # noqa: SLF001
+            hist_since=_i64([h._since_refresh for h in hs]),  # noqa: SLF001
+            hist_count=_i64([h._n for h in hs]),  # noqa: SLF001
+            hist_bin_offsets=h_offs,
+            hist_bin_depth=_i64([d for h in hs for d in h._bins]),  # noqa: SLF001
+            hist_bin_weight=np.asarray([w for h in hs for w in h._bins.values()], dtype=np.float64),  # noqa: SLF001
+            parent=_i64(self._parent),
+            keys=np.concatenate(self._keys).astype(np.int32, copy=False),
+            key_offsets=offs,
+            start=_i64(self._start),
+            uid=_i64(self._uid),
+            last_access=_i64(self._last),
+            lock_ref=_i64(self._lock),
+            kv=list(self._kv),
+            clock=int(newest if clock is None else clock),
+            uid_counter=int(self._max_uid if uid_counter is None else uid_counter),
+            ckpt_node=_i64([c[0] for c in ck]),
+            ckpt_pos=_i64([c[1] for c in ck]),
+            ckpt_access=_i64([c[2] for c in ck]),
+            ckpt_handle=[c[3] for c in ck],
+            **self.config,
+        )
+
+
+def tree_to_snapshot(tree: RadixTree) -> TreeSnapshot:
+    """Flatten ``tree`` (iterative preorder; O(nodes + tokens + checkpoints)). Handles are shared,
+    not copied; arrays are fresh."""
+    order: list[Node] = [tree.root]
+    index: dict[int, int] = {id(tree.root): 0}
+    parent = [-1]
+    stack = list(reversed(tree.root.children.values()))
+    while stack:
+        n = stack.pop()
+        index[id(n)] = len(order)
+        parent.append(index[id(n.parent)])
+        order.append(n)
+        if n.children:
+            stack.extend(reversed(n.children.values()))
+    nn = len(order)
+    lens = np.fromiter((len(n.key) for n in order), dtype=_I64, count=nn)
+    offs = np.zeros(nn + 1, dtype=_I64)
+    np.cumsum(lens, out=offs[1:])
+    keys = np.concatenate([np.asarray(n.key, dtype=np.int32) for n in order])
+    ck_node: list[int] = []
+    ck_pos: list[int] = []
+    ck_acc: list[int] = []
+    ck_h: list[Any] = []
+    plan_len = np.zeros(nn, dtype=_I64)
+    plan_pos: list[int] = []
+    h_node: list[int] = []
+    h_scale: list[float] = []
+    h_since: list[int] = []
+    h_count: list[int] = []
+    h_len: list[int] = []
+    h_d: list[int] = []
+    h_w: list[float] = []
+    for i, n in enumerate(order):
+        if n.checkpoints:
+            for p, h in n.checkpoints.items():
+                ck_node.append(i)
+                ck_pos.append(p)
+                ck_acc.append(n.ckpt_access[p])
+                ck_h.append(h)
+        if n.plan:
+            plan_len[i] = len(n.plan)
+            plan_pos.extend(n.plan)
+        hs = n.hist
+        if hs is not None:
+            h_node.append(i)
+            h_scale.append(hs._scale)  # noqa: SLF001 - exact state copy
+            h_since.append(hs._since_refresh)  # noqa: SLF001
+            h_count.append(hs._n)  # noqa: SLF001
+            h_len.append(len(hs._bins))  # noqa: SLF001
+            h_d.extend(hs._bins.keys())  # noqa: SLF001
+            h_w.extend(hs._bins.values())  # noqa: SLF001
+    plan_offs = np.zeros(nn + 1, dtype=_I64)
+    np.cumsum(plan_len, out=plan_offs[1:])
+    h_offs = np.zeros(len(h_len) + 1, dtype=_I64)
+    np.cumsum(np.asarray(h_len, dtype=_I64), out=h_offs[1:])
+    return TreeSnapshot(
+        kv_bytes_per_token=tree.kv_bytes_per_token,
+        state_bytes=tree.state_bytes,
+        parent=_i64(parent),
+        keys=keys,
+        key_offsets=offs,
+        start=np.fromiter((n.start for n in order), dtype=_I64, count=nn),
+        uid=np.fromiter((n.uid for n in order), dtype=_I64, count=nn),
+        last_access=np.fromiter((n.last_access for n in order), dtype=_I64, count=nn),
+        lock_ref=np.fromiter((n.lock_ref for n in order), dtype=_I64, count=nn),
+        kv=[n.kv for n in order],
+        clock=int(tree.clock),
+        uid_counter=int(tree._uid),  # noqa: SLF001
+        version=np.fromiter((n.version for n in order), dtype=_I64, count=nn),
+        plan_fresh=np.fromiter((n.plan_fresh for n in order), dtype=np.bool_, count=nn),
+        ckpt_node=_i64(ck_node),
+        ckpt_pos=_i64(ck_pos),
+        ckpt_access=_i64(ck_acc),
+        ckpt_handle=ck_h,
+        plan_offsets=plan_offs,
+        plan_pos=_i64(plan_pos),
+        hist_node=_i64(h_node),
+        hist_scale=np.asarray(h_scale, dtype=np.float64),
+        hist_since=_i64(h_since),
+        hist_count=_i64(h_count),
+        hist_bin_offsets=h_offs,
+        hist_bin_depth=_i64(h_d),
+        hist_bin_weight=np.asarray(h_w, dtype=np.float64),
+        gamma=tree.gamma,
+        refresh=tree.refresh,
+        plan_budget=tree.plan_budget,
+        grid=tree.grid,
+    )
+
+
+def _validate(s: TreeSnapshot) -> None:
+    """Raise :class:`SnapshotError` naming the first violated invariant (vectorised, O(n + m))."""
+    n = len(s.parent)
+    if n < 1:
+        raise SnapshotError("a snapshot needs at least the root (node index 0)")
+    for name in ("start", "uid", "last_access", "lock_ref"):
+        if len(getattr(s, name)) != n:
+            raise SnapshotError(f"{name} has {len(getattr(s, name))} entries, expected {n} (one per node)")
+    for name in ("version", "plan_fresh"):
+        a = getattr(s, name)
+        if a is not None and len(a) != n:
+            raise SnapshotError(f"{name} has {len(a)} entries, expected {n} (one per node)")
+    if len(s.kv) != n:
+        raise SnapshotError(f"kv has {len(s.kv)} entries, expected {n} (one per node)")
+    parent = _i64(s.parent)
+    if parent[0] != -1:
+        raise SnapshotError("node 0 must be the root (parent[0] == -1)")
+    idx = np.arange(n, dtype=_I64)
+    if n > 1 and not ((parent[1:] >= 0) & (parent[1:] < idx[1:])).all():
+        bad = int(np.flatnonzero((parent[1:] < 0) | (parent[1:] >= idx[1:]))[0]) + 1
+        raise SnapshotError(f"node {bad}: parent index {int(parent[bad])} must be in [0, {bad}) (preorder)")
+    offs = _i64(s.key_offsets)
+    if len(offs) != n + 1 or offs[0] != 0 or offs[-1] != len(s.keys) or (np.diff(offs) < 0).any():
+        raise SnapshotError("key_offsets must have n + 1 non-decreasing entries from 0 to len(keys)")
+    lens = np.diff(offs)
+    if lens[0] != 0:
+        raise SnapshotError("the root's edge must be empty")
+    if n > 1 and (lens[1:] <= 0).any():
+        bad = int(np.flatnonzero(lens[1:] <= 0)[0]) + 1
+        raise SnapshotError(f"node {bad}: empty edge (every non-root node holds >= 1 token)")
+    start = _i64(s.start)
+    end = start + lens
+    if start[0] != 0 or (n > 1 and (start[1:] != end[parent[1:]]).any()):
+        bad = 0 if start[0] != 0 else int(np.flatnonzero(start[1:] != end[parent[1:]])[0]) + 1
+        raise SnapshotError(f"node {bad}: start must equal its parent's end depth (root: 0)")
+    if len(np.unique(s.uid)) != n:
+        raise SnapshotError("uids must be unique")
+    if int(np.max(s.uid)) > s.uid_counter:
+        raise SnapshotError(f"uid_counter {s.uid_counter} is below the largest uid {int(np.max(s.uid))}")
+    if (s.lock_ref < 0).any() or s.lock_ref[0] < 1:
+        raise SnapshotError("lock_ref must be >= 0 (the root's >= 1)")
+    if n > 1:
+        child_locks = np.bincount(parent[1:], weights=s.lock_ref[1:], minlength=n)
+        if (s.lock_ref < child_locks).any():
+            bad = int(np.flatnonzero(s.lock_ref < child_locks)[0])
+            raise SnapshotError(f"node {bad}: lock_ref below the sum of its children's (locks cover paths)")
+        first = s.keys[offs[1:-1]].astype(_I64)
+        pairs = parent[1:] * (1 << 32) + (first - np.iinfo(np.int32).min)
+        if len(np.unique(pairs)) != n - 1:
+            raise SnapshotError("two children of one node start with the same token")
+    if (s.last_access > s.clock).any():
+        raise SnapshotError("a last_access is newer than clock")
+    m = len(s.ckpt_node)
+    if not (len(s.ckpt_pos) == len(s.ckpt_access) == len(s.ckpt_handle) == m):
+        raise SnapshotError("ckpt_node, ckpt_pos, ckpt_access and ckpt_handle must have equal lengths")
+    if m:
+        cn, cp = _i64(s.ckpt_node), _i64(s.ckpt_pos)
+        if (cn < 1).any() or (cn >= n).any():
+            raise SnapshotError("ckpt_node must index non-root nodes")
+        if ((cp <= start[cn]) | (cp > end[cn])).any():
+            bad = int(np.flatnonzero((cp <= start[cn]) | (cp > end[cn]))[0])
+            raise SnapshotError(
+                f"checkpoint {bad} at depth {int(cp[bad])} outside its node's edge (start, end]"
+            )
+        if m > 1 and not ((cn[1:] > cn[:-1]) | ((cn[1:] == cn[:-1]) & (cp[1:] > cp[:-1]))).all():
+            raise SnapshotError("checkpoints must be sorted by (node, position) without duplicates")
+        if (s.ckpt_access > s.clock).any():
+            raise SnapshotError("a ckpt_access is newer than clock")
+    if s.plan_offsets is not None and (len(s.plan_offsets) != n + 1 or s.plan_offsets[-1] != len(s.plan_pos)):
+        raise SnapshotError("plan_offsets must have n + 1 entries ending at len(plan_pos)")
+    h = len(s.hist_node)
+    if (
+        not (len(s.hist_scale) == len(s.hist_since) == len(s.hist_count) == h)
+        or len(s.hist_bin_offsets) != h + 1
+    ):
+        raise SnapshotError("histogram arrays must have one entry per histogram (offsets: h + 1)")
+    if s.hist_bin_offsets[-1] != len(s.hist_bin_depth) or len(s.hist_bin_depth) != len(s.hist_bin_weight):
+        raise SnapshotError("hist_bin_offsets must end at len(hist_bin_depth) == len(hist_bin_weight)")
+    if h and ((s.hist_node < 1).any() or (s.hist_node >= n).any() or len(np.unique(s.hist_node)) != h):
+        raise SnapshotError("hist_node must index distinct non-root nodes")
+
+
+def tree_from_snapshot(
+    snap: TreeSnapshot,
+    *,
+    kv_ops: KVOps | None = None,
+    law_provider: LawProvider | None = None,
+    cls: type[RadixTree] | None = None,
+) -> RadixTree:
+    """A new tree equal to the one ``snap`` describes (validated first); derived indexes rebuilt.
+
+    Iterative, O(nodes + tokens + checkpoints). The rebuilt tree owns a private copy of
+    ``snap.keys``; handles are shared with ``snap``."""
+    from .radix import RadixTree
+
+    _validate(snap)
+    tree = (cls or RadixTree)(
+        snap.kv_bytes_per_token,
+        snap.state_bytes,
+        kv_ops=kv_ops,
+        gamma=snap.gamma,
+        refresh=snap.refresh,
+        plan_budget=snap.plan_budget,
+        grid=snap.grid,
+        law_provider=law_provider,
+    )
+    n = len(snap.parent)
+    keys = np.array(snap.keys, dtype=np.int32, copy=True)
+    offs = snap.key_offsets.tolist()
+    parent = snap.parent.tolist()
+    start = snap.start.tolist()
+    uid = snap.uid.tolist()
+    last = snap.last_access.tolist()
+    lock = snap.lock_ref.tolist()
+    version = snap.version.tolist() if snap.version is not None else [0] * n
+    fresh = snap.plan_fresh.tolist() if snap.plan_fresh is not None else [False] * n
+    kv = snap.kv
+    root = tree.root
+    root.uid, root.last_access, root.lock_ref, root.version = uid[0], last[0], lock[0], version[0]
+    nodes: list[Node] = [root]
+    kv_tokens = 0
+    for i in range(1, n):
+        par = nodes[parent[i]]
+        key = keys[offs[i] : offs[i + 1]]
+        node = Node(uid[i], key, start[i], par, kv[i], last[i])
+        node.lock_ref = lock[i]
+        node.version = version[i]
+        node.plan_fresh = fresh[i]
+        par.children[key.item(0)] = node
+        nodes.append(node)
+        kv_tokens += offs[i + 1] - offs[i]
+    cn, cp, ca, chd = (
+        snap.ckpt_node.tolist(),
+        snap.ckpt_pos.tolist(),
+        snap.ckpt_access.tolist(),
+        snap.ckpt_handle,
+    )
+    for j in range(len(cn)):
+        node = nodes[cn[j]]
+        node.checkpoints[cp[j]] = chd[j]
+        node.ckpt_access[cp[j]] = ca[j]
+    if snap.plan_offsets is not None:
+        po, pp = snap.plan_offsets.tolist(), snap.plan_pos.tolist()
+        for i in np.flatnonzero(np.diff(snap.plan_offsets)).tolist():
+            nodes[i].plan = tuple(pp[po[i] : po[i + 1]])
+    ho = snap.hist_bin_offsets.tolist()
+    hd, hw = snap.hist_bin_depth.tolist(), snap.hist_bin_weight.tolist()
+    for j, (i, sc, since, cnt) in enumerate(
+        zip(
+            snap.hist_node.tolist(),
+            snap.hist_scale.tolist(),
+            snap.hist_since.tolist(),
+            snap.hist_count.tolist(),
+            strict=True,
+        )
+    ):
+        hs = DepthHistogram(tree.gamma, tree.refresh)
+        hs._bins = dict(zip(hd[ho[j] : ho[j + 1]], hw[ho[j] : ho[j + 1]], strict=True))  # noqa: SLF001
+        hs._scale, hs._since_refresh, hs._n = sc, since, cnt  # noqa: SLF001
+        nodes[i].hist = hs
+    tree.clock = int(snap.clock)
+    tree._uid = int(snap.uid_counter)  # noqa: SLF001
+    tree.num_nodes = n - 1
+    tree.kv_tokens = int(kv_tokens)
+    tree.num_states = len(cn)
+    tree.leaves = {nd for nd in nodes[1:] if not nd.children}
+    sync = tree._sync_evictable  # noqa: SLF001 - rebuild the derived eviction index
+    for nd in nodes[1:]:
+        sync(nd)
+    return tree
