@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from sglang_sparse.policy import HybridCache
 from sglang_sparse.policy.eviction import CKPT
 from sglang_sparse.sglang_adapter.config import SparseConfig
 from sglang_sparse.sglang_adapter.tree_policy import TreePolicy
@@ -72,7 +73,7 @@ def test_eviction_order_equals_simulator_evictor(name: str) -> None:
     pol = _policy(name, alpha=1.0 if name in ("sparse", "marconi") else 0.0)
     eng = MiniEngine(pol)
     _random_ops(eng, random.Random(7), 200)
-    sim = pol.engine_snapshot(eng.export()).build()
+    sim = HybridCache.from_snapshot(pol.engine_snapshot(eng.export()))
     sim.tree.check()
     want: list[int] = []
     best: dict[int, float] = {}  # lowest key per handle (-inf: unservable)

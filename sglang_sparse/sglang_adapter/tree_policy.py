@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from sglang_sparse.policy import AlphaTuner, Evictor, HybridCache, ModelCostModel, get_policy
-from sglang_sparse.tree import MirrorError, MirrorTree, Node, RadixTree
+from sglang_sparse.policy import AlphaTuner, CacheSnapshot, Evictor, HybridCache, ModelCostModel, get_policy
+from sglang_sparse.tree import MirrorError, MirrorTree, Node, TreeSnapshotBuilder
 
 from .config import SparseConfig
 
@@ -134,7 +134,7 @@ class TreePolicy:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _hybrid_cache(self, tree: RadixTree) -> HybridCache:
+    def _hybrid_cache(self, tree: MirrorTree) -> HybridCache:
         """A :class:`HybridCache` with this backend's options over ``tree``."""
         cache = HybridCache(
             self.spec,
@@ -175,7 +175,7 @@ class TreePolicy:
         self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=self.config.tune_window)
         self._window_hits: deque[float] = deque(maxlen=self.config.tune_window)
         self._since_tune = 0
-        self._snapshot: EngineSnapshot | None = None
+        self._snapshot: CacheSnapshot | None = None
         self._pending_tune: tuple[int, Future] | None = None
         self._rounds = 0  # eviction rounds computed (a walk's frozen keys stay valid while unchanged)
         #: speculative states (SGLang node ids), oldest first: evicted before all others
@@ -481,30 +481,47 @@ class TreePolicy:
         self._alpha = a
         self.stats.alpha_tunes.append((self.stats.finished, a))
 
-    def engine_snapshot(self, engine_nodes: Iterable[EngineNode]) -> EngineSnapshot:
-        """A flat record of the engine's tree (each edge's tokens, copied once) plus this policy's
-        per-node state (recency, histograms, plans, checkpoint clocks) and tail prior, taken now:
-        what a warm tuning replay starts from (:meth:`EngineSnapshot.build`). Iterative."""
+    def engine_snapshot(self, engine_nodes: Iterable[EngineNode]) -> CacheSnapshot:
+        """A flat :class:`~sglang_sparse.policy.CacheSnapshot` of the engine's tree (each edge's
+        tokens, copied once) plus this policy's per-node state (recency, histograms, plans,
+        checkpoint clocks), tail prior and alpha, taken now: what a warm tuning replay starts from
+        (``HybridCache.from_snapshot`` builds an independent simulator cache per replay).
+        Iterative; the engine lists parents before children."""
         src = self.mirror
-        records: list[_NodeRecord] = []
+        b = TreeSnapshotBuilder(
+            self._kv_bytes,
+            self._state_bytes,
+            gamma=self.config.gamma,
+            refresh=self.config.refresh,
+            plan_budget=self.config.edge_budget,
+            grid=self.config.grid,
+            root_uid=src.root.uid,
+        )
+        index = {src.root.uid: 0}
         for nid, pid, key, _ in engine_nodes:
             m = src.get(nid)
-            if m is None:
+            if m is None or pid not in index:
                 raise MirrorError(f"engine node {nid} (parent {pid}) is not in the mirror")
-            records.append(
-                (
-                    nid,
-                    pid,
-                    np.array(key, dtype=np.int32),
-                    m.last_access,
-                    copy.deepcopy(m.hist),
-                    m.plan,
-                    tuple((p, h, m.ckpt_access[p]) for p, h in m.checkpoints.items()),
-                )
+            index[nid] = b.add_node(
+                index[pid],
+                np.asarray(key, dtype=np.int32),
+                checkpoints=dict(m.checkpoints.items()),
+                ckpt_access=dict(m.ckpt_access),
+                last_access=m.last_access,
+                uid=nid,
+                hist=m.hist,
+                plan=m.plan,
+                plan_fresh=m.plan_fresh,
             )
-        return EngineSnapshot(
-            self, src.root.uid, records, src.clock, src._uid, copy.deepcopy(self.cache.tail)
-        )  # noqa: SLF001
+        return CacheSnapshot(
+            b.build(clock=src.clock, uid_counter=max(src._uid, max(index))),  # noqa: SLF001
+            self.spec,
+            self.budget_bytes,
+            cost=self.cost,
+            alpha=self.cache.alpha,
+            min_cut_gain=self.cache.min_cut_gain,
+            tail=copy.deepcopy(self.cache.tail),
+        )
 
     # ------------------------------------------------------------------ stats
 
@@ -525,70 +542,4 @@ class TreePolicy:
         return out
 
 
-#: ``(node id, parent id, edge tokens, last_access, histogram, plan, ((position, handle, clock), ...))``
-_NodeRecord = tuple[int, int, np.ndarray, int, Any, tuple[int, ...], tuple[tuple[int, Any, int], ...]]
-
-
-class EngineSnapshot:
-    """Flat, picklable record of the engine's tree and the policy's per-node state at one moment
-    (:meth:`TreePolicy.engine_snapshot`). :meth:`build` makes a fresh simulator
-    :class:`HybridCache` from it (a plain :class:`RadixTree` with tokens), node by node, parents
-    first: nothing recursive in tree depth. ``copy.deepcopy`` of a snapshot returns such a fresh
-    cache, so the simulator's ``warm_replay_score`` (which deep-copies its snapshot for every alpha
-    it tries) replays from independent copies without ever deep-copying a tree."""
-
-    def __init__(
-        self,
-        policy: TreePolicy,
-        root_id: int,
-        records: list[_NodeRecord],
-        clock: int,
-        uid: int,
-        tail: Any,
-    ) -> None:
-        self._make = policy._hybrid_cache  # noqa: SLF001 - same options as the live policy
-        self._tree_args = (policy._kv_bytes, policy._state_bytes)  # noqa: SLF001
-        self._tree_kw = dict(
-            gamma=policy.config.gamma,
-            refresh=policy.config.refresh,
-            plan_budget=policy.config.edge_budget,
-            grid=policy.config.grid,
-        )
-        self.root_id, self.records, self.clock, self.uid, self.tail = root_id, records, clock, uid, tail
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def build(self) -> HybridCache:
-        snap = self._make(RadixTree(*self._tree_args, **self._tree_kw))
-        tree = snap.tree
-        by_id: dict[int, Node] = {self.root_id: tree.root}
-        for nid, pid, k, last, hist, plan, ckpts in self.records:
-            parent = by_id.get(pid)
-            if parent is None:
-                raise MirrorError(f"snapshot node {nid}: parent {pid} comes later or is missing")
-            node = Node(nid, k, parent.end, parent, None, last)
-            parent.children[int(k[0])] = node
-            by_id[nid] = node
-            node.hist = copy.deepcopy(hist)
-            node.plan = plan
-            for p, h, acc in ckpts:
-                node.checkpoints[p] = h
-                node.ckpt_access[p] = acc
-            tree.kv_tokens += len(k)
-            tree.num_states += len(ckpts)
-            tree.num_nodes += 1
-        tree.clock = self.clock
-        tree._uid = max(self.uid, max(by_id))  # noqa: SLF001 - uids are the engine's node ids
-        for node in by_id.values():
-            if node.parent is not None and not node.children:
-                tree.leaves.add(node)
-            tree._sync_evictable(node)  # noqa: SLF001 - index of a tree built node by node
-        snap.tail = copy.deepcopy(self.tail)
-        return snap
-
-    def __deepcopy__(self, memo: dict) -> HybridCache:
-        return self.build()
-
-
-__all__ = ["EngineNode", "EngineSnapshot", "PolicyStats", "RequestPlan", "TreePolicy"]
+__all__ = ["EngineNode", "PolicyStats", "RequestPlan", "TreePolicy"]
