@@ -280,11 +280,20 @@ def sparse_cache_factory(ctx: Any):
         return cache_class(params, policy=policy, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)
 
     cache = create_unified_radix_cache(ctx, cache_class=build)
+    overlap = not getattr(getattr(ctx, "server_args", None), "disable_overlap_schedule", True)
     logger.info(
-        "sparse radix cache: %s; KV pool %d tokens, %d state slots, %d B/state",
+        "sparse radix cache: %s; KV pool %d tokens, %d state slots, %d B/state; mamba strategy "
+        "no_buffer, overlap schedule %s, page size 1 (SGLang checkpoints the exact state at chunk "
+        "and prompt ends only with no_buffer, which needs both; --mamba-radix-cache-strategy auto "
+        "resolves to it for this backend); capture=%s (%s)",
         config.as_dict(),
         kv_tokens,
         mamba_slots,
         state_bytes,
+        "on" if overlap else "off",
+        capture,
+        "states at planned positions inside a prefill are written during the forward"
+        if capture == "forward"
+        else "each planned position inside a prefill ends a chunk: one more forward",
     )
     return cache
