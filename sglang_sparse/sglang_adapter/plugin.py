@@ -118,8 +118,24 @@ def _adder_class_hook(original_fn, self, *args, **kwargs):
     if getattr(getattr(self, "tree_cache", None), "is_sparse", False):
         from .cache import sparse_prefill_adder_class
 
+        # --- begin: Prometheus metrics (issue 12; sglang_sparse.sglang_adapter.metrics) ---
+        if _metrics_enabled():
+            from .metrics import maybe_update
+
+            maybe_update(self.tree_cache)
+        # --- end: Prometheus metrics ---
         return sparse_prefill_adder_class()
     return original_fn(self, *args, **kwargs)
+
+
+def _metrics_enabled() -> bool:
+    """``--enable-metrics`` is on (scheduler process); False when it cannot be told."""
+    try:
+        from sglang.srt.runtime_context import get_observability
+
+        return bool(get_observability().enable_metrics)
+    except Exception:  # noqa: BLE001 - older/newer SGLang layouts: no metrics, never a failure
+        return False
 
 
 def _internal_state_hook(result, self, state, *args, **kwargs):

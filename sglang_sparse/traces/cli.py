@@ -1,9 +1,11 @@
-"""Command line: ``python -m sglang_sparse.traces {build,list,summary}``.
+"""Command line: ``python -m sglang_sparse.traces {build,list,summary,export}``.
 
 * ``build [NAMES...|all] --out traces/build --seed 0 [--data-dir DIR] [--param KEY=VALUE ...]``
   writes ``<out>/<name>.jsonl`` + ``<out>/<name>.meta.json`` and prints one line per trace.
 * ``list`` prints trace names with a one-line description.
 * ``summary PATH... [--plot out.png]`` prints stats (lengths and overlap depths in tokens).
+* ``export PATH... --out DIR [--format custom|agentic] [--vocab V] [--limit N]`` writes
+  ``python -m sglang.bench_serving`` datasets (see :mod:`sglang_sparse.traces.export`).
 
 User errors (bad trace file, unknown name, missing data) print ``error: ...`` on stderr and exit 2.
 """
@@ -151,6 +153,22 @@ def _cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import default_format, export_trace
+
+    out = Path(args.out)
+    for path in args.paths:
+        reqs = read_trace(path)
+        if args.limit:
+            reqs = reqs[: args.limit]
+        fmt = args.format or default_format(reqs)
+        stem = Path(path).name.removesuffix(".jsonl")
+        dest = out / (f"{stem}.custom.jsonl" if fmt == "custom" else f"{stem}.agentic.json")
+        export_trace(reqs, dest, fmt, vocab=args.vocab, name=stem)
+        print(f"wrote {dest} ({fmt}, {len(reqs)} requests)")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog="python -m sglang_sparse.traces", description=__doc__.split("\n")[0])
@@ -177,6 +195,13 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("paths", nargs="+")
     s.add_argument("--plot", default=None, help="write a PNG histogram of overlap depth")
     s.set_defaults(func=_cmd_summary)
+    e = sub.add_parser("export", help="write bench_serving datasets (custom JSONL / agentic JSON)")
+    e.add_argument("paths", nargs="+", help="trace JSONL files")
+    e.add_argument("--out", required=True, help="output folder")
+    e.add_argument("--format", choices=("custom", "agentic"), default=None, help="default: by trace shape")
+    e.add_argument("--vocab", type=int, default=None, help="remap ids into this model vocabulary")
+    e.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
+    e.set_defaults(func=_cmd_export)
     return p
 
 
