@@ -141,6 +141,14 @@ def ideal_prefilled(prompts: list[list[int]]) -> int:
     return total
 
 
+def _cumulative_prefilled(rows: list[dict]) -> list[int]:
+    out, tot = [], 0
+    for r in rows:
+        tot += r["prompt"] - r["cached"]
+        out.append(tot)
+    return out
+
+
 def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | None = None) -> dict:
     summary: dict[str, dict] = {}
     for tname in trace_names:
@@ -167,12 +175,25 @@ def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | Non
                 native_mean = d["ttft_mean"]
         for d in s.values():
             d["ttft_mean_vs_native"] = d["ttft_mean"] / native_mean if native_mean else None
+        if "native" in s:
+            # Never worse than native on any prefix of the slice: cumulative prefilled tokens.
+            nat = _cumulative_prefilled(results["native"][tname]["rows"])
+            for cname, d in s.items():
+                mine = _cumulative_prefilled(results[cname][tname]["rows"])
+                pairs = enumerate(zip(mine, nat, strict=True))
+                d["prefixes_worse_than_native"] = [i + 1 for i, (a, b) in pairs if a > b]
         if ideal is not None and "native" in s:
             # what no cache can beat: a perfect cache's prefilled tokens, as a fraction of native's
             s["perfect_cache_bound"] = {
                 "prefilled_tokens": ideal[tname],
                 "prefilled_vs_native": ideal[tname] / max(s["native"]["prefilled_tokens"], 1),
             }
+            room = s["native"]["prefilled_tokens"] - ideal[tname]  # the most any cache saves over native
+            for cname, d in s.items():
+                if cname != "perfect_cache_bound" and room > 0:
+                    d["share_of_perfect_saving"] = (
+                        s["native"]["prefilled_tokens"] - d["prefilled_tokens"]
+                    ) / room
         summary[tname] = s
     return summary
 
@@ -282,10 +303,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 continue
             r = d["ttft_mean_vs_native"]
+            share = d.get("share_of_perfect_saving")
             print(
                 f"{t:15s} {c:8s} ttft mean {d['ttft_mean']:.3f}s median {d['ttft_median']:.3f}s "
                 f"p95 {d['ttft_p95']:.3f}s  vs native {r:.2f}x  prefilled {d['prefilled_tokens']} "
                 f"cached {d['cached_tokens']}  tokens==nocache {d['tokens_equal_nocache']}"
+                + (f"  perfect-saving share {share:.0%}" if share is not None else "")
+                + f"  prefixes worse than native: {len(d.get('prefixes_worse_than_native', []))}"
             )
     print(f"wrote {args.out} and {args.out.with_suffix('.png')} in {time.time() - t0:.0f}s")
     return 0

@@ -18,3 +18,18 @@ def test_shrink_keeps_shared_heads_shared_and_tails_verbatim() -> None:
     b = shrink(head + [4, 5, 6], stride=3, tail=3, max_len=1000, vocab=50)
     assert len(a) == 100 + 3 and a[:100] == b[:100] and a[100:] != b[100:]
     assert all(4 <= x < 50 for x in a + b)
+
+
+def test_summary_flags_prefixes_worse_than_native_and_perfect_share() -> None:
+    from benchmarks.serving import summarize
+
+    def rows(cached: list[int]) -> dict:
+        return {"t": {"rows": [{"ttft": 1.0, "prompt": 100, "cached": c, "token": [1]} for c in cached]}}
+
+    results = {"nocache": rows([0, 0, 0]), "native": rows([0, 50, 50]), "sparse": rows([0, 0, 90])}
+    s = summarize(results, ["t"], {"t": 150})["t"]
+    # cumulative prefilled: native 100, 150, 200; sparse 100, 200, 210 -> worse at prefixes 2 and 3
+    assert s["sparse"]["prefixes_worse_than_native"] == [2, 3]
+    assert s["native"]["prefixes_worse_than_native"] == []
+    # native prefills 200, a perfect cache 150: sparse (210) saves -10 of the 50 possible
+    assert s["sparse"]["share_of_perfect_saving"] == -10 / 50
