@@ -1,4 +1,5 @@
-"""Tests for sglang_sparse_kernels.gdn_capture: naive recurrent reference vs chunked torch vs FLA-Triton (interpreted).
+"""Tests for sglang_sparse_kernels.gdn_capture: naive recurrent reference vs chunked torch vs
+FLA-Triton (interpreted).
 
 The Triton path runs in a subprocess with ``TRITON_INTERPRET=1`` (set before triton is imported there), so
 this process never imports triton and other tests are unaffected.  The subprocess is this very file run

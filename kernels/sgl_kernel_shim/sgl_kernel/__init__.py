@@ -15,8 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_sparse_kernels.sgl_kernel_cpu import registry as _registry
-from sglang_sparse_kernels.sgl_kernel_cpu.kv_copy import copy_all_layer_kv_cache as copy_all_layer_kv_cache_cpu
-from sglang_sparse_kernels.sgl_kernel_cpu.token_pool import assign_req_to_token_pool as assign_req_to_token_pool_cpu
+from sglang_sparse_kernels.sgl_kernel_cpu.kv_copy import (
+    copy_all_layer_kv_cache as copy_all_layer_kv_cache_cpu,
+)
+from sglang_sparse_kernels.sgl_kernel_cpu.token_pool import (
+    assign_req_to_token_pool as assign_req_to_token_pool_cpu,
+)
 
 from . import mamba
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from sglang_sparse_kernels.sgl_kernel_cpu import conv, delta_rule
 
 

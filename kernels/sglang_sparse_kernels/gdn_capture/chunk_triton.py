@@ -59,8 +59,9 @@ def chunk_gdn_fwd_capture_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | list[torch.Tensor]]:
     """Triton (FLA) chunked gated-delta-rule forward returning output, final state and boundary states.
 
-    Args: as :func:`sglang_sparse_kernels.gdn_capture.chunk_torch.chunk_gdn_fwd_capture`, plus ``fused_intra`` (use
-    FLA's fused kkt + solve_tril kernel instead of the three separate building blocks).  ``chunk_size``
+    Args: as :func:`sglang_sparse_kernels.gdn_capture.chunk_torch.chunk_gdn_fwd_capture`, plus
+    ``fused_intra`` (use FLA's fused kkt + solve_tril kernel instead of the three separate building
+    blocks).  ``chunk_size``
     must be 16, 32 or 64 (FLA's ``solve_tril`` limit).  ``fp32_states=True`` runs the state pass
     (``chunk_gated_delta_rule_fwd_h``) and ``chunk_fwd_o`` on float32 copies of ``q, k, w, u`` so that
     interior captured states are not rounded to a 16-bit ``h`` (no effect for float32 inputs; costs the
