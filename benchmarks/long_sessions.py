@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import requests
 from tqdm import tqdm
 
 from sglang_sparse.models.tiny import make_tiny_model
@@ -33,19 +32,6 @@ from sglang_sparse.testing.server import SGLangServer
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns
 
 from ._common import results_dir, write_json
-
-
-def _stats(srv: SGLangServer) -> dict[str, Any]:
-    return requests.get(f"{srv.url}/server_info", timeout=120).json()["internal_states"][0]["sparse_cache"]
-
-
-def _idle(srv: SGLangServer, timeout: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = _stats(srv)
-        if (s["kv_protected"] == 0 and s["mamba_protected"] == 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=2,
                 progress=lambda k: bar.update(1),
             )
-        s = _idle(srv)
+        s = srv.wait_sparse_idle(timeout=120)
     finally:
         log_tail = srv.log_tail(3000)
         srv.stop()

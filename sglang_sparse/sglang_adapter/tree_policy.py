@@ -353,25 +353,12 @@ class TreePolicy:
         for h in list(self._speculative):  # speculative states first, oldest first
             seen.add(h)
             yield h
-        rem, nodes, uid, kind, pos = self._round()  # rem: private; consumed rows set to +inf
+        key, nodes, _, _, _ = self._round()
         at = self._rounds
-        left, k = len(rem), 1
-        while left and self._rounds == at:
-            if k >= left:
-                sel = np.flatnonzero(rem != np.inf)
-            elif k == 1:
-                sel = np.flatnonzero(rem == rem.min())
-            else:
-                sel = np.flatnonzero(rem <= np.partition(rem, k - 1)[k - 1])
-            if len(sel) > 1:
-                sel = sel[np.lexsort((kind[sel], pos[sel], uid[sel], rem[sel]))]
-            rem[sel] = np.inf
-            left -= len(sel)
-            k *= 8
-            handles = []
-            for i in sel.tolist():
-                handles.extend(nodes[i].checkpoints.values())
-            for h in handles:
+        for i in self.cache.evictor.index.order(key):
+            if self._rounds != at:  # another round re-synced the index: its rows are not ours
+                return
+            for h in nodes[i].checkpoints.values():
                 if h not in seen:
                     seen.add(h)
                     yield h

@@ -238,6 +238,23 @@ class SGLangServer:
         body = r.json()
         return GenerateResult(output_ids=list(body["output_ids"]), meta=dict(body.get("meta_info", {})))
 
+    def sparse_stats(self, timeout: float = 120.0) -> dict[str, Any]:
+        """The ``sparse_cache`` statistics of TP rank 0 (``/server_info`` internal states)."""
+        import requests
+
+        info = requests.get(f"{self.url}/server_info", timeout=timeout).json()
+        return info["internal_states"][0]["sparse_cache"]
+
+    def wait_sparse_idle(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Poll :meth:`sparse_stats` until nothing is protected (no request holds KV or a state)
+        or ``timeout`` seconds pass; return the last statistics."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.sparse_stats()
+            if (s["kv_protected"] == 0 and s["mamba_protected"] == 0) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.5)
+
     def flush_cache(self) -> bool:
         """Drop the prefix cache (``/flush_cache``); True on success."""
         import requests

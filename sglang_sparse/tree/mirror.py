@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .node import Node
-from .radix import MatchResult, RadixTree, _make_match, _split_hist
+from .radix import MatchResult, RadixTree, _make_match, split_node_state
 
 
 class Span:
@@ -186,18 +186,7 @@ class MirrorTree(RadixTree):
         node.start = at
         node.parent = up
         up.children[node.key.first] = node
-        ck = node.checkpoints
-        while ck and ck.peekitem(0)[0] <= at:  # (the engine keeps states at node ends: never)
-            p, h = ck.popitem(0)
-            up.checkpoints[p] = h
-            up.ckpt_access[p] = node.ckpt_access.pop(p)
-        if node.hist is not None:
-            up.hist, node.hist = _split_hist(node.hist, at)
-        if node.plan:
-            up.plan = tuple(p for p in node.plan if p <= at)
-            node.plan = tuple(p for p in node.plan if p > at)
-        node.plan_fresh = False
-        node.version += 1
+        split_node_state(node, up, at)  # (states stay below: the engine keeps them at node ends)
         self.by_id[up.uid] = up
         if up.uid > self._uid:
             self._uid = up.uid

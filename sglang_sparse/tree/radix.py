@@ -325,6 +325,26 @@ def _merge_hist(upper: DepthHistogram | None, lower: DepthHistogram | None, at: 
     return merged
 
 
+def split_node_state(node: Node, up: Node, at: int) -> None:
+    """Move the per-edge state of ``node`` at or above depth ``at`` to ``up``, its new upper half:
+    checkpoints (with their clocks) at positions ``<= at``, the histogram (:func:`_split_hist`) and
+    the plan; ``node`` keeps the rest and gets a new ``version``. Shared by every split (the
+    token tree's and the engine-driven mirror's)."""
+    ck = node.checkpoints
+    keys = ck._keys  # noqa: SLF001 - sorted positions
+    while keys and keys[0] <= at:
+        p, h = ck.popitem(0)
+        up.checkpoints[p] = h
+        up.ckpt_access[p] = node.ckpt_access.pop(p)
+    if node.hist is not None:
+        up.hist, node.hist = _split_hist(node.hist, at)
+    if node.plan:
+        up.plan = tuple(p for p in node.plan if p <= at)
+        node.plan = tuple(p for p in node.plan if p > at)
+    node.plan_fresh = False
+    node.version += 1
+
+
 LawProvider = Callable[[Node, "RadixTree"], tuple[np.ndarray, np.ndarray]]
 
 
@@ -567,19 +587,7 @@ class RadixTree:
         node.kv = kv_down
         node.parent = up
         up.children[node.key.item(0)] = node
-        ck = node.checkpoints
-        keys = ck._keys  # noqa: SLF001 - sorted positions
-        while keys and keys[0] <= at:
-            p, h = ck.popitem(0)
-            up.checkpoints[p] = h
-            up.ckpt_access[p] = node.ckpt_access.pop(p)
-        if node.hist is not None:
-            up.hist, node.hist = _split_hist(node.hist, at)
-        if node.plan:
-            up.plan = tuple(p for p in node.plan if p <= at)
-            node.plan = tuple(p for p in node.plan if p > at)
-        node.plan_fresh = False
-        node.version += 1
+        split_node_state(node, up, at)
         self.num_nodes += 1
         return up
 

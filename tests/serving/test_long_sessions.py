@@ -12,7 +12,6 @@ The full-size soak (2,000 turns; 20 x 300 interleaved turns) is ``python -m benc
 from __future__ import annotations
 
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,6 @@ pytestmark = pytest.mark.serving
 if any(importlib.util.find_spec(m) is None for m in ("torch", "sglang", "transformers", "sgl_kernel")):
     pytest.skip("serving stack not installed; run tools/setup_env.sh", allow_module_level=True)
 
-import requests  # noqa: E402
-
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
 from sglang_sparse.testing.server import SGLangServer  # noqa: E402
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns  # noqa: E402
@@ -32,19 +29,6 @@ TURNS = 300
 CONTEXT = 4096
 KV_TOKENS = 6000
 STATE_SLOTS = 16
-
-
-def _stats(srv: SGLangServer) -> dict:
-    return requests.get(f"{srv.url}/server_info", timeout=60).json()["internal_states"][0]["sparse_cache"]
-
-
-def _idle(srv: SGLangServer, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = _stats(srv)
-        if (s["kv_protected"] == 0 and s["mamba_protected"] == 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +59,7 @@ def test_long_and_interleaved_sessions_default_options(model_dir: Path) -> None:
         assert srv.alive(), srv.log_tail()
         inter = run_sessions(lambda p, n: srv.generate(p, n), sessions=4, turns=60, seed=2)
         assert srv.alive(), srv.log_tail()
-        s = _idle(srv)
+        s = srv.wait_sparse_idle()
     # Multi-turn reuse: every later turn resumes from the previous turn's finish state.
     cached = chain.cached[0]
     assert all(c > 0 for c in cached[1:]), cached[:20]

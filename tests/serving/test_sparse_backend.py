@@ -10,7 +10,6 @@ Whole file: about 8 minutes on 2 cores.
 from __future__ import annotations
 
 import importlib.util
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,7 +92,7 @@ def server_info(srv: SGLangServer) -> dict:
 
 
 def sparse_stats(srv: SGLangServer) -> dict:
-    return server_info(srv)["internal_states"][0]["sparse_cache"]
+    return srv.sparse_stats()
 
 
 def assert_one_tree(s: dict) -> None:
@@ -220,12 +219,7 @@ def storm_server(model_dir: Path):
 
 
 def _idle(srv: SGLangServer, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = sparse_stats(srv)
-        if s["kv_protected"] == 0 and s["mamba_protected"] == 0 or time.monotonic() > deadline:
-            return s
-        time.sleep(0.5)
+    return srv.wait_sparse_idle(timeout)
 
 
 def test_concurrent_storm_no_leak(storm_server: SGLangServer) -> None:
