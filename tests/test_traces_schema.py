@@ -70,7 +70,9 @@ BAD_ROWS: list[tuple[str, str]] = [
     ("[1, 2]", "JSON object"),
     (json.dumps({k: v for k, v in _good().items() if k != "ts"}), "missing field.*ts"),
     (json.dumps(_good(extra=1)), "unexpected field"),
-    (json.dumps(_good(session_id=3)), "session_id"),
+    (json.dumps(_good(session_id=3.0)), "session_id"),
+    (json.dumps(_good(session_id=True)), "session_id"),
+    (json.dumps(_good(session_id=None)), "session_id"),
     (json.dumps(_good(turn_id="0")), "turn_id"),
     (json.dumps(_good(turn_id=True)), "turn_id"),
     (json.dumps(_good(ts=-1.0)), "ts"),
@@ -102,3 +104,13 @@ def test_unsorted_ts_is_a_format_error(tmp_path: Path) -> None:
 def test_missing_file_is_oserror(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         read_trace(tmp_path / "nope.jsonl")
+
+
+def test_marconi_integer_session_ids_are_accepted(tmp_path: Path) -> None:
+    """Marconi's JSONL traces number their sessions; they load as the same sessions (strings)."""
+    p = _write_lines(
+        tmp_path / "m.jsonl",
+        [json.dumps(_good(session_id=7, ts=1.0)), json.dumps(_good(session_id=7, turn_id=1, ts=2.0))],
+    )
+    reqs = read_trace(p)
+    assert [r.session_id for r in reqs] == ["7", "7"]

@@ -182,7 +182,8 @@ def _policy(src: str, v: Any) -> str:
 
     name = str(v).strip()
     if name not in POLICY_NAMES:
-        raise SparseConfigError(f"{src}={v!r}: unknown policy; valid: {', '.join(POLICY_NAMES)}")
+        serving = [n for n in POLICY_NAMES if not get_policy(n).needs_law_provider]
+        raise SparseConfigError(f"{src}={v!r}: unknown policy; valid: {', '.join(serving)}")
     if get_policy(name).needs_law_provider:
         raise SparseConfigError(f"{src}={v!r}: policy {name!r} needs the whole trace (simulator only)")
     return name

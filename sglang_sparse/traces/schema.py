@@ -2,7 +2,8 @@
 
 Each line is a JSON object with exactly these fields (extra fields are rejected)::
 
-    session_id         str    conversation id; turns of one session share it
+    session_id         str    conversation id; turns of one session share it (an int, as in
+                              Marconi's traces, is read as its decimal string)
     turn_id            int    >= 0, turn index inside the session
     ts                 float  >= 0, logical arrival time in seconds (synthetic, not wall-clock)
     num_input_tokens   int    == len(input_tokens)
@@ -103,8 +104,10 @@ def parse_request(obj: Any) -> Request:
     if extra:
         raise ValueError(f"unexpected field(s) {', '.join(extra)}")
     sid = obj["session_id"]
-    if not isinstance(sid, str):
-        raise ValueError(f"field 'session_id' must be a string, got {type(sid).__name__}")
+    if type(sid) is int:  # Marconi's traces number their sessions: same session, as a string
+        sid = str(sid)
+    elif not isinstance(sid, str):
+        raise ValueError(f"field 'session_id' must be a string or an int, got {type(sid).__name__}")
     for name in ("turn_id", "num_input_tokens", "num_output_tokens"):
         v = obj[name]
         if type(v) is not int:

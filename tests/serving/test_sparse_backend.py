@@ -322,6 +322,16 @@ def test_misconfiguration_fails_at_start(model_dir: Path, env: dict, message: st
     assert "server not healthy" not in str(exc.value), "should fail fast, not time out"
 
 
+def test_unknown_policy_lists_only_serving_policies() -> None:
+    from sglang_sparse.sglang_adapter.config import SparseConfig, SparseConfigError
+
+    with pytest.raises(SparseConfigError) as ei:
+        SparseConfig.from_env({"SGLANG_SPARSE_POLICY": "bogus"})
+    msg = str(ei.value)
+    assert "sparse" in msg and "lru" in msg and "marconi" in msg
+    assert "oracle" not in msg  # simulator-only: needs the whole trace
+
+
 @pytest.mark.parametrize(
     "env,message",
     [
