@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from typing import Any
 
 logger = logging.getLogger("sglang_sparse")
@@ -47,6 +48,7 @@ def register() -> None:
     HookRegistry.register(_ADDER_TARGET, _adder_class_hook, HookType.AROUND)
     HookRegistry.register(_STATE_TARGET, _internal_state_hook, HookType.AFTER)
     HookRegistry.register(_EXTRA_BUFFER_TARGET, _extra_buffer_hook, HookType.AROUND)
+    HookRegistry.register(_SERVER_ARGS_TARGET, _server_args_hook, HookType.AFTER)
     # SGLANG_SPARSE_CAPTURE=forward (sglang_sparse.sglang_adapter.capture); each hook is a no-op
     # unless its batch belongs to a CaptureRadixCache, and imports the capture module lazily.
     HookRegistry.register(_CAPTURE_PREPARE_TARGET, _capture_prepare_hook, HookType.AFTER)
@@ -100,6 +102,47 @@ def _capture_extend_hook(original, self, *args, **kwargs):
 
         return _extend_hook(original, self, *args, **kwargs)
     return original(self, *args, **kwargs)
+
+
+_SERVER_ARGS_TARGET = "sglang.srt.server_args.prepare_server_args"
+
+
+def launcher_problems(server_args: Any) -> list[str]:
+    """What makes ``server_args`` (+ the ``SGLANG_SPARSE_*`` options) unable to run the backend,
+    checkable in the launcher before any subprocess starts (the factory re-checks everything)."""
+    from .config import SparseConfig, SparseConfigError
+
+    problems = []
+    try:
+        SparseConfig.from_env()
+    except SparseConfigError as e:
+        problems.append(str(e))
+    if getattr(server_args, "mamba_radix_cache_strategy", None) in ("extra_buffer", "extra_buffer_lazy"):
+        problems.append(
+            "needs --mamba-radix-cache-strategy no_buffer or auto (extra_buffer is not supported)"
+        )
+    page = getattr(server_args, "page_size", None)
+    if page not in (None, 1):
+        problems.append(f"needs --page-size 1 (got {page})")
+    if getattr(server_args, "disable_radix_cache", False):
+        problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        problems.append("--enable-hierarchical-cache is not supported")
+    return problems
+
+
+def _server_args_hook(result, *args, **kwargs):
+    """Fail fast in the launcher: SGLang only logs plugin exceptions, and a factory exception in the
+    scheduler ends the whole process group with SIGKILL. A bad option or flag combination for
+    ``--radix-cache-backend sparse`` instead ends ``launch_server`` / ``sglang serve`` here, before
+    any subprocess starts, with the message on stderr and exit code 2."""
+    if getattr(result, "radix_cache_backend", None) == BACKEND_NAME:
+        problems = launcher_problems(result)
+        if problems:
+            sys.stderr.write("error: --radix-cache-backend sparse: " + "; ".join(problems) + "\n")
+            sys.stderr.flush()
+            raise SystemExit(2)
+    return result
 
 
 def _extra_buffer_hook(original_fn, view, hf_config, *args, **kwargs):

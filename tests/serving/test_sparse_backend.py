@@ -298,16 +298,18 @@ def test_kv_pool_pressure_evicts_in_policy_order_exactly(model_dir: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    "env,message",
+    "env,extra,message",
     [
-        ({"SGLANG_SPARSE_POLICY": "bogus"}, "SGLANG_SPARSE_POLICY='bogus': unknown policy"),
-        ({"SGLANG_SPARSE_GAMMA": "2"}, "SGLANG_SPARSE_GAMMA='2': must be in (0, 1]"),
+        ({"SGLANG_SPARSE_POLICY": "bogus"}, [], "SGLANG_SPARSE_POLICY='bogus': unknown policy"),
+        ({"SGLANG_SPARSE_GAMMA": "2"}, [], "SGLANG_SPARSE_GAMMA='2': must be in (0, 1]"),
+        ({}, ["--page-size", "16"], "needs --page-size 1 (got 16)"),
     ],
 )
-def test_misconfiguration_fails_at_start(model_dir: Path, env: dict, message: str) -> None:
+def test_misconfiguration_fails_at_start(model_dir: Path, env: dict, extra: list, message: str) -> None:
+    """The launcher itself exits with code 2 and the message (no subprocess, no SIGKILL)."""
     srv = SGLangServer(
         model_dir,
-        extra_args=[*CHUNK, "--radix-cache-backend", "sparse"],
+        extra_args=[*CHUNK, "--radix-cache-backend", "sparse", *extra],
         env=env,
         context_length=CONTEXT,
         max_total_tokens=KV_TOKENS,
@@ -320,6 +322,8 @@ def test_misconfiguration_fails_at_start(model_dir: Path, env: dict, message: st
         srv.stop()
     assert message in srv.log_tail(200_000), exc.value
     assert "server not healthy" not in str(exc.value), "should fail fast, not time out"
+    assert "exited with code 2" in str(exc.value), exc.value  # a clean exit, not -9
+    assert "Scheduler hit an exception" not in srv.log_tail(200_000)  # stopped before any subprocess
 
 
 def test_unknown_policy_lists_only_serving_policies() -> None:
