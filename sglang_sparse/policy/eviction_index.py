@@ -484,16 +484,19 @@ class CandidateIndex:
             np.putmask(key, dead, -np.inf)
         return score, key, (rmin, rspan, vmin, vspan)
 
-    def order(self, key: np.ndarray) -> Iterator[int]:
+    def order(self, key: np.ndarray, exclude: np.ndarray | None = None) -> Iterator[int]:
         """Rows in ascending ``(key, uid, pos, kind)`` order, lazily: the first row costs one
         ``min`` pass; later rows come in chunks of geometrically growing size (``np.partition`` +
         ``lexsort`` of every row up to and including the chunk's largest key, so ties at a chunk
         boundary are never split). Requires finite or ``-inf`` keys (``+inf`` marks consumed rows).
         The returned arrays of :meth:`round_scores` and this iterator share work buffers: valid
-        until the next round."""
+        until the next round. ``exclude`` (bool mask over the rows): rows never yielded."""
         rem = self._rem[: len(key)]
         np.copyto(rem, key)
         left = len(rem)
+        if exclude is not None:
+            rem[exclude] = np.inf
+            left -= int(np.count_nonzero(exclude))
         k = 1
         uid, pos, kind = self.uid, self.pos, self.kind
         while left:

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 from sglang.srt.mem_cache.unified_cache.components import ComponentType, EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
@@ -48,6 +50,43 @@ def _child_key(node: Any, page_size: int) -> Any:
     return node.key.child_key(page_size)
 
 
+class _LeafSet(set):
+    """SGLang's set of evictable device leaves, also indexed by node id (``by_id``), so a KV walk
+    gets the leaf ids without a pass over the nodes. SGLang changes the set with ``add`` and
+    ``discard`` only (0.5.23); the other mutators are kept in step too."""
+
+    def __init__(self, nodes: Iterable[Any] = ()) -> None:
+        super().__init__(nodes)
+        self.by_id: dict[int, Any] = {n.id: n for n in self}
+
+    def add(self, node: Any) -> None:
+        set.add(self, node)
+        self.by_id[node.id] = node
+
+    def discard(self, node: Any) -> None:
+        set.discard(self, node)
+        self.by_id.pop(node.id, None)
+
+    def remove(self, node: Any) -> None:
+        set.remove(self, node)
+        del self.by_id[node.id]
+
+    def pop(self) -> Any:
+        node = set.pop(self)
+        del self.by_id[node.id]
+        return node
+
+    def clear(self) -> None:
+        set.clear(self)
+        self.by_id.clear()
+
+    def _unsupported(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("in-place set operations would bypass the leaf index; use add/discard")
+
+    update = difference_update = intersection_update = symmetric_difference_update = _unsupported
+    __ior__ = __isub__ = __iand__ = __ixor__ = _unsupported
+
+
 class SparseTreeCore(UnifiedTreeCore):
     """SGLang's Python tree core, reporting structural events to ``self.policy`` (set by the cache).
 
@@ -59,6 +98,7 @@ class SparseTreeCore(UnifiedTreeCore):
 
     def reset(self) -> None:
         super().reset()
+        self.evictable_device_leaves = _LeafSet(self.evictable_device_leaves)
         if self.policy is not None:
             self.policy.reset(self.root_node.id)
 
@@ -223,30 +263,118 @@ class SparseFullComponent(FullComponent):
         if not self._policy_walk():
             return super()._evict_device_start(request_cnt)
         self._ensure_eviction_strategy()
-        base = self.tree_core.eviction_strategy.get_priority
-        policy: TreePolicy = self.cache.policy
-        state_key = policy.state_key_fn()
-        policy.stats.kv_eviction_walks += 1
-        mamba = ComponentType.MAMBA
+        self._evict_device_request_cnt = request_cnt
+        self._evict_device_last_node = None
+        self._walk = _KVWalk(
+            self.tree_core.evictable_device_leaves,
+            self.cache.policy,
+            self.tree_core.eviction_strategy.get_priority,
+        )
 
-        def key(n):
-            if n.component_data[mamba].value is None:
-                rank = (0, 0.0)  # dead KV: nothing can resume inside it
-            elif policy.is_speculative(n.id):
-                rank = (0, 1.0)  # a speculative state (kept only while slots were free)
-            else:
-                sc = state_key(n.id)
-                rank = (1, sc) if sc is not None else (2, 0.0)
-            return rank, base(n), n.id
-
-        self.session_ref_eviction_strategy = key
-        super()._evict_device_start(request_cnt)
+    def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
+        if not self._policy_walk():
+            return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
+        walk: _KVWalk = self._walk
+        lv = self._evict_device_last_node
+        if lv is not None and lv.parent is not None and lv.parent in walk.leaves:
+            walk.push(lv.parent)  # exposed by the last eviction
+        self._evict_device_last_node = None
+        if tracker[self.component_type] >= self._evict_device_request_cnt:
+            return None
+        x = walk.pop()
+        if x is None:
+            return None
+        self._evict_device_last_node = x
+        return x.id
 
     def _evict_device_end(self) -> None:
-        super()._evict_device_end()
-        if self._policy_walk():
-            self.session_ref_eviction_strategy = None  # _ensure_eviction_strategy restores SGLang's
-            self.cache.maybe_check_invariants("KV eviction")
+        if not self._policy_walk():
+            return super()._evict_device_end()
+        self._walk = None
+        self._evict_device_last_node = None
+        self.cache.maybe_check_invariants("KV eviction")
+
+
+class _KVWalk:
+    """The KV walk's order over SGLang's evictable device leaves, built lazily.
+
+    Key of a leaf ``n``: ``(rank, base(n), n.id)`` (smallest first), ``rank`` being ``(0, 0.0)``
+    for a leaf without a state, ``(0, 1.0)`` for a speculative state, ``(1, k)`` for a state the
+    policy scores with key ``k`` (the round frozen at the walk's start), ``(2, 0.0)`` for a state it
+    does not score; ``base`` is SGLang's priority (LRU by default). This is exactly the order of
+    SGLang's own walk (a heap of every leaf) with that key, but only the leaves without a state and
+    the speculative ones are keyed up front (one pass over the leaves); scored states enter from the
+    policy's lazily sorted stream as the walk reaches their key, and unscored ones only once that
+    stream is exhausted. Parents exposed by an eviction are pushed with their own key. Cost at the
+    start: set operations on the leaf ids (:class:`_LeafSet`) and the mirror's state ids, a key for
+    each leaf without a state, and the policy round's vectorised scoring; each pop is O(log n)."""
+
+    DEAD = (0, 0.0)
+    SPEC = (0, 1.0)
+    UNSCORED = (2, 0.0)
+
+    def __init__(self, leaves: _LeafSet, policy: TreePolicy, base: Callable[[Any], Any]) -> None:
+        self.leaves = leaves
+        self.base = base
+        self.spec = policy.speculative_ids()
+        policy.stats.kv_eviction_walks += 1
+        self.mamba = ComponentType.MAMBA
+        by_id = leaves.by_id
+        states = policy.mirror.state_ids  # what SGLang holds (the invariant checks assert it)
+        heap = [((self.DEAD, base(by_id[h]), h), by_id[h]) for h in by_id.keys() - states]
+        stateful = by_id.keys() & states
+        heap += [((self.SPEC, base(by_id[h]), h), by_id[h]) for h in stateful.intersection(self.spec)]
+        heapq.heapify(heap)
+        self.heap = heap
+        self.stateful = stateful
+        self.by_id = by_id
+        # the stream skips, vectorised, the states of inner nodes (a KV walk evicts leaves only)
+        only = np.fromiter(stateful, dtype=np.int64, count=len(stateful))
+        self.stream, self.key_of = policy.scored_states(only=only)
+        self.streamed: set[int] = set()  # handles the stream produced (scored)
+        self.peek: tuple[float, int] | None = next(self.stream, None)
+        self.unscored_added = False
+
+    def rank(self, n: Any) -> tuple:
+        if n.component_data[self.mamba].value is None:
+            return self.DEAD
+        if n.id in self.spec:
+            return self.SPEC
+        k = self.key_of(n.id)
+        return self.UNSCORED if k is None else (1, k)
+
+    def push(self, n: Any) -> None:
+        heapq.heappush(self.heap, ((self.rank(n), self.base(n), n.id), n))
+
+    def _pull_group(self) -> None:
+        """Push every stream entry with the next key (ties adjacent) whose handle is a stateful leaf."""
+        k = self.peek[0]
+        rank = (1, k)
+        while self.peek is not None and self.peek[0] == k:
+            h = self.peek[1]
+            self.streamed.add(h)
+            n = self.by_id.get(h) if h in self.stateful else None
+            if n is not None and h not in self.spec:
+                heapq.heappush(self.heap, ((rank, self.base(n), h), n))
+            self.peek = next(self.stream, None)
+
+    def pop(self) -> Any | None:
+        heap = self.heap
+        while True:
+            while self.peek is not None and (not heap or (1, self.peek[0]) <= heap[0][0][0]):
+                self._pull_group()
+            if self.peek is None and not self.unscored_added:
+                self.unscored_added = True
+                for h in self.stateful - self.streamed:
+                    n = self.by_id.get(h)
+                    if n is not None and h not in self.spec:
+                        heap.append(((self.UNSCORED, self.base(n), h), n))
+                heapq.heapify(heap)
+            if not heap:
+                return None
+            _, x = heapq.heappop(heap)
+            if x in self.leaves:
+                return x
 
 
 class SparseRadixCache(UnifiedRadixCache):

@@ -30,7 +30,7 @@ import copy
 import functools
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -363,18 +363,35 @@ class TreePolicy:
                     seen.add(h)
                     yield h
 
-    def state_key_fn(self) -> Callable[[int], float | None]:
-        """A function: SGLang node id -> the policy key of the state it holds (lowest evicted
-        first; ``-inf`` unservable), ``None`` if the policy offers no candidate for it. The keys are
-        those of a round starting now, frozen for one eviction walk. A lookup is O(1) (the node's
-        rows in the candidate index) while no other round ran; after one, the rows are mapped once."""
-        key, nodes, _, _, _ = self._round()
+    def scored_states(
+        self, only: np.ndarray | None = None
+    ) -> tuple[Iterator[tuple[float, int]], Callable[[int], float | None]]:
+        """One eviction round starting now, for a walk that merges it with its own candidates:
+        ``(stream, key_of)``. ``stream`` yields ``(key, handle)`` in ascending key order (lowest
+        evicted first; ``-inf`` unservable), lazily (see :meth:`CandidateIndex.order`), equal keys
+        adjacent; a handle covered by several candidates comes once per candidate. ``key_of(h)`` is
+        the key of handle ``h`` in the same round (its lowest candidate's), ``None`` if the policy
+        offers no candidate for it: O(1) while no other round ran, after one the rows are mapped
+        once. The stream stops early if another round re-syncs the index. ``only`` (SGLang node
+        ids): the stream skips every other candidate (one vectorised mask; ``key_of`` is not
+        restricted)."""
+        key, nodes, uid, _, _ = self._round()
         at = self._rounds
         idx = self.cache.evictor.index
         by_id = self.mirror.by_id
         rows: dict[int, list[int]] | None = None
 
-        def fn(node_id: int) -> float | None:
+        exclude = None if only is None else ~np.isin(uid, only)
+
+        def stream() -> Iterator[tuple[float, int]]:
+            for i in idx.order(key, exclude=exclude):
+                if self._rounds != at:  # another round re-synced the index: its rows are not ours
+                    return
+                k = float(key[i])
+                for h in nodes[i].checkpoints.values():
+                    yield k, h
+
+        def key_of(node_id: int) -> float | None:
             nonlocal rows
             if rows is None and self._rounds == at:  # the index's rows are still this round's
                 m = by_id.get(node_id)
@@ -390,7 +407,17 @@ class TreePolicy:
                 return None
             return float(min(key[i] for i in r))
 
-        return fn
+        return stream(), key_of
+
+    def state_key_fn(self) -> Callable[[int], float | None]:
+        """A function: SGLang node id -> the policy key of the state it holds (lowest evicted
+        first; ``-inf`` unservable), ``None`` if the policy offers no candidate for it. The keys are
+        those of a round starting now, frozen for one eviction walk (see :meth:`scored_states`)."""
+        return self.scored_states()[1]
+
+    def speculative_ids(self) -> Collection[int]:
+        """SGLang node ids of the speculative states (see :meth:`admit`); a live view."""
+        return self._speculative.keys()
 
     # ------------------------------------------------------------------ finish / alpha
 

@@ -96,6 +96,8 @@ class MirrorTree(RadixTree):
         self.root.uid = int(root_id)
         self._uid = max(self._uid, int(root_id))
         self.by_id: dict[int, Node] = {int(root_id): self.root}
+        #: ids of the nodes holding a state at their end (what the engine holds)
+        self.state_ids: set[int] = set()
 
     def reset(self, root_id: int) -> None:
         """Forget every node (the engine rebuilt its tree with root ``root_id``); keeps the
@@ -208,6 +210,7 @@ class MirrorTree(RadixTree):
         del self.by_id[node.uid]
         self.kv_tokens -= node.num_tokens
         self.num_states -= len(node.checkpoints)
+        self.state_ids.discard(node.uid)
         self.num_nodes -= 1
         node.alive = False
         node.version += 1
@@ -230,6 +233,7 @@ class MirrorTree(RadixTree):
         node.checkpoints[p] = node.uid if handle is None else handle
         node.ckpt_access[p] = self.clock
         self.num_states += 1
+        self.state_ids.add(node.uid)
         self._sync_evictable(node)
         self._changed(node)
         return True
@@ -242,6 +246,7 @@ class MirrorTree(RadixTree):
         del node.checkpoints[node.end]
         del node.ckpt_access[node.end]
         self.num_states -= 1
+        self.state_ids.discard(node.uid)
         self._sync_evictable(node)
         self._changed(node)
         return True
@@ -327,6 +332,9 @@ class MirrorTree(RadixTree):
                     f"node {nid}: engine holds a state={bool(has_state)}, mirror checkpoints "
                     f"{list(m.checkpoints)} (end {m.end})"
                 )
+        held = {nid for nid, m in self.by_id.items() if m.checkpoints}
+        if held != self.state_ids:
+            raise MirrorError(f"state ids out of step: {sorted(held ^ self.state_ids)[:8]}")
         if seen != self.num_nodes or len(self.by_id) != self.num_nodes + 1:
             raise MirrorError(
                 f"engine has {seen} nodes, mirror {self.num_nodes} ({len(self.by_id) - 1} by id)"
