@@ -182,14 +182,83 @@ def _metrics_enabled() -> bool:
 
 
 def _internal_state_hook(result, self, state, *args, **kwargs):
-    """Add ``state["sparse_cache"]`` (shows up in ``/server_info`` ``internal_states``)."""
+    """Add ``state["sparse_cache"]`` (this rank's statistics) and ``state["sparse_cache_ranks"]``
+    (every TP rank's, in rank order, gathered over the CPU group of the ranks that process this
+    request) plus ``state["sparse_cache_ranks_agree"]``; they show up in ``/server_info``
+    ``internal_states``. SGLang replies from TP rank 0 only, so without the gather the other ranks'
+    caches would be invisible."""
     cache = getattr(getattr(self, "scheduler", None), "tree_cache", None)
-    if getattr(cache, "is_sparse", False):
-        try:
-            state["sparse_cache"] = cache.sparse_stats()
-        except Exception:  # noqa: BLE001 - a stats failure must not break /server_info
-            logger.exception("sparse cache statistics failed")
+    if not getattr(cache, "is_sparse", False):
+        return result
+    try:
+        stats = cache.sparse_stats()
+    except Exception:  # noqa: BLE001 - a stats failure must not break /server_info
+        logger.exception("sparse cache statistics failed")
+        stats = {"error": "statistics failed (see the scheduler log)"}
+    state["sparse_cache"] = stats
+    try:
+        ranks = gather_rank_stats(stats, _request_group())
+    except Exception:  # noqa: BLE001 - never break /server_info; say why instead
+        logger.exception("gathering the sparse cache statistics of every TP rank failed")
+        return result
+    state["sparse_cache_ranks"] = ranks
+    state["sparse_cache_ranks_agree"] = ranks_disagree(ranks) == []
     return result
+
+
+#: statistics every TP rank must share: the cache decisions are a function of the request stream
+RANK_AGREEMENT_KEYS = (
+    "states_held",
+    "states_inserted",
+    "states_evicted",
+    "kv_leaves_evicted",
+    "alpha",
+    "alpha_tunes",
+    "finished",
+    "ckpt_admitted",
+    "ckpt_rejected",
+    "cuts_applied",
+    "resume_tokens",
+)
+
+
+def ranks_disagree(ranks: list[dict]) -> list[str]:
+    """The keys of :data:`RANK_AGREEMENT_KEYS` whose values differ across ``ranks``."""
+    return [k for k in RANK_AGREEMENT_KEYS if len({repr(r.get(k)) for r in ranks}) > 1]
+
+
+def _request_group():
+    """The CPU process group of the ranks that all process a control request (so a collective
+    inside its handler is matched on every one of them), or ``None`` with one rank: the whole TP
+    group, or the attention-TP group when DP attention broadcasts control requests locally
+    (``managers/scheduler_components/request_receiver.py``)."""
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    par = get_parallel()
+    group = par.tp_group
+    if par.attn_dp_enabled:
+        local = getattr(par, "enable_dp_attention_local_control_broadcast", False)
+        try:
+            local = local or bool(get_exec().moe.is_ep_scale_joiner)
+        except Exception:  # noqa: BLE001 - older layouts: no EP scale joiner
+            pass
+        if local:
+            group = par.attn_tp_group
+    if group is None or group.world_size <= 1:
+        return None
+    return group.cpu_group
+
+
+def gather_rank_stats(stats: dict, group: Any) -> list[dict]:
+    """Every rank's ``stats`` in rank order (``all_gather_object`` over ``group``; ``[stats]``
+    when ``group`` is None). Every rank of ``group`` must call this at the same point."""
+    if group is None:
+        return [stats]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(out, stats, group=group)
+    return out
 
 
 def _capture_explicit() -> bool:

@@ -239,11 +239,23 @@ class SGLangServer:
         return GenerateResult(output_ids=list(body["output_ids"]), meta=dict(body.get("meta_info", {})))
 
     def sparse_stats(self, timeout: float = 120.0) -> dict[str, Any]:
-        """The ``sparse_cache`` statistics of TP rank 0 (``/server_info`` internal states)."""
+        """The ``sparse_cache`` statistics of TP rank 0 (``/server_info`` internal states).
+        Raises :class:`ServerError` if the per-rank list is missing, does not start with rank 0's
+        statistics or reports ranks that disagree."""
+        ranks = self.sparse_rank_stats(timeout)
+        return ranks[0]
+
+    def sparse_rank_stats(self, timeout: float = 120.0) -> list[dict[str, Any]]:
+        """Every TP rank's ``sparse_cache`` statistics, in rank order (``sparse_cache_ranks``)."""
         import requests
 
-        info = requests.get(f"{self.url}/server_info", timeout=timeout).json()
-        return info["internal_states"][0]["sparse_cache"]
+        state = requests.get(f"{self.url}/server_info", timeout=timeout).json()["internal_states"][0]
+        ranks = state.get("sparse_cache_ranks")
+        if not ranks or ranks[0] != state["sparse_cache"]:
+            raise ServerError(f"/server_info has no per-rank sparse statistics: {sorted(state)}")
+        if not state.get("sparse_cache_ranks_agree"):
+            raise ServerError(f"TP ranks disagree: {ranks}")
+        return ranks
 
     def wait_sparse_idle(self, timeout: float = 60.0) -> dict[str, Any]:
         """Poll :meth:`sparse_stats` until nothing is protected (no request holds KV or a state)
