@@ -354,3 +354,21 @@ def test_split_at_and_truncate_are_exact_and_validated() -> None:
     t.lock(top)
     with pytest.raises(ValueError, match="locked"):
         t.truncate(top, 50)
+
+
+def test_split_merge_cycles_keep_observation_count() -> None:
+    """An edge split and merged again (a live session's path, turn after turn) keeps its
+    observation count: a sum on merge doubled it every cycle and overflowed int64 in snapshots."""
+    from sglang_sparse.placement.histogram import DepthHistogram
+    from sglang_sparse.tree.radix import _merge_hist, _split_hist
+
+    h = DepthHistogram(0.99, 10)
+    for d in (64, 128, 128, 300):
+        h.observe(d)
+    total = h.total
+    for _ in range(200):
+        up, down = _split_hist(h, 100)
+        h = _merge_hist(up, down, 100)
+    assert h.observations == 4
+    d, w = h.items()
+    assert d.tolist() == [64, 128, 300] and abs(w.sum() - total) < 1e-9 * total  # mass kept

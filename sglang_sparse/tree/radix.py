@@ -310,7 +310,9 @@ def _merge_hist(upper: DepthHistogram | None, lower: DepthHistogram | None, at: 
     if upper is None:
         return lower
     merged = DepthHistogram(upper.gamma, upper.refresh)
-    merged._n = upper.observations + (lower.observations if lower else 0)  # noqa: SLF001
+    # every observation of the lower edge passed through the upper one (the ancestor rule), so the
+    # merged edge saw max(...) of them; a sum doubles on every split/merge cycle of a live session
+    merged._n = max(upper.observations, lower.observations if lower else 0)  # noqa: SLF001
     merged._since_refresh = merged.refresh  # noqa: SLF001
     bins: dict[int, float] = {}
     d, w = upper.items()
