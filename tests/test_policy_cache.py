@@ -102,7 +102,7 @@ def _score(alpha: float) -> float:
 
 
 def test_alpha_tuner_grid_order_and_drift():
-    t = AlphaTuner((0.0, 0.5, 1.0, 0.5), workers=2, drift=0.1)
+    t = AlphaTuner((0.0, 0.5, 1.0, 0.5), workers=2, drift=0.1, retune=True)
     assert t.tune(_score) == 0.5 and t.history[0][2] == (-0.25, 0.0, -0.25, 0.0)
     flat = AlphaTuner((0.0, 1.0, 2.0), workers=1)
     assert flat.tune(lambda a: min(a, 1.0)) == 1.0  # tie between 1 and 2: the first
@@ -111,5 +111,8 @@ def test_alpha_tuner_grid_order_and_drift():
     assert not t.should_retune(0.5)
     assert not t.should_retune(0.55)
     assert t.should_retune(0.7)
+    once = AlphaTuner((0.0, 1.0), workers=1)  # the default: tune once, never again
+    once.tune(lambda a: a)
+    assert not once.should_retune(0.5) and not once.should_retune(0.0) and not once.should_retune(1.0)
     with pytest.raises(ValueError):
         AlphaTuner(())

@@ -142,7 +142,7 @@ def test_alpha_tuning_on_a_deep_chain() -> None:
     the engine's tree, the replay runs in the worker and its alpha is applied at its logical time,
     without a failure."""
     depth, window = 3000, 10
-    pol = _policy("sparse", tune_window=window)
+    pol = _policy("sparse", tune_window=window, retune=True)  # every window snapshots
     pol.reset(0)
     keys: dict[int, list[int]] = {}
 
@@ -216,3 +216,25 @@ def test_free_states_are_speculative_until_used() -> None:
     assert pol.is_speculative(spec.id)
     assert pol.admit("a", 280, finished=False, free_slots=0)
     pol.end_checkpoint()
+
+
+def test_alpha_tuned_once_by_default() -> None:
+    """Default ``retune=0``: one tuning replay, then no more windows (no snapshots of SGLang's
+    tree, no replays) however the hit rate moves."""
+    window = 10
+    pol = _policy("sparse", tune_window=window)
+    pol.reset(0)
+    exports = 0
+
+    def export():
+        nonlocal exports
+        exports += 1
+        return [(1, 0, 10, True)] if pol.mirror.num_nodes else []
+
+    for i in range(1, 12 * window):
+        pol.plan(f"r{i}", 10, 2, kv_node_id=None, engine_kv=0, engine_prefix=0)
+        pol.finish(f"r{i}", list(range(10)), [1, 2], export)
+    pol.close()
+    s = pol.stats
+    assert s.tune_runs == 1 and len(s.alpha_tunes) == 1 and s.tune_failures == 0, s
+    assert s.tune_windows <= 2 and exports <= 2, (s.tune_windows, exports)  # the apply lags a quarter window

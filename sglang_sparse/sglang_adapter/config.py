@@ -28,6 +28,9 @@ variable (JSON key)                default    meaning
                                                Default: 0 with ``capture=forward``, 32 with ``cut``
 ``SGLANG_SPARSE_TUNE_WINDOW``       200        requests per alpha-tuning window (int >= 1)
 (``tune_window``)
+``SGLANG_SPARSE_RETUNE``            0          1: re-tune alpha whenever a window's hit rate drifts by more
+(``retune``)                                   than 5 points (0: tune once, on the first window, as
+                                               Marconi; see ``sglang_sparse.policy.tuner``)
 ``SGLANG_SPARSE_LOG_EVERY``         100        log a stats line every N finished requests (0: off)
 (``log_every``)
 ``SGLANG_SPARSE_FREE_STATES``       1          1: keep unplanned chunk-end / prompt-end states (they
@@ -81,6 +84,7 @@ class SparseConfig:
     grid: int = 64
     min_cut_gain: int | None = None  # None: 0 with capture=forward, CUT_MIN_GAIN with cut
     tune_window: int = 200
+    retune: bool = False
     log_every: int = 100
     free_states: bool = True
     check_invariants: bool = False
@@ -235,6 +239,7 @@ _PARSERS = {
     "grid": lambda s, v: _int(s, v, 1),
     "min_cut_gain": lambda s, v: _int(s, v, 0),
     "tune_window": lambda s, v: _int(s, v, 1),
+    "retune": _bool,
     "log_every": lambda s, v: _int(s, v, 0),
     "free_states": _bool,
     "check_invariants": _bool,

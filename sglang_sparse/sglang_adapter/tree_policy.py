@@ -439,6 +439,8 @@ class TreePolicy:
             return
         try:
             self._apply_due_tune()
+            if self.stats.alpha_tunes and not self.config.retune:
+                return  # tuned once and for all: no more windows, snapshots or replays
             if p is None or export_tree is None:
                 return
             if self._since_tune == 0:  # a window begins: it replays from this state (warm)
@@ -466,7 +468,7 @@ class TreePolicy:
         from sglang_sparse.sim.simulator import warm_replay_score
 
         if self.tuner is None:
-            self.tuner = AlphaTuner(window=self.config.tune_window, workers=1)
+            self.tuner = AlphaTuner(window=self.config.tune_window, workers=1, retune=self.config.retune)
         evaluate = functools.partial(warm_replay_score, self._snapshot, list(self._window), self.cost)
         current = self.cache.alpha if self.stats.alpha_tunes else None
         at = self.stats.finished

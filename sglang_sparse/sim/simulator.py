@@ -110,12 +110,14 @@ def simulate(
     keep_records: bool = True,
     progress: bool = False,
     check: bool = False,
+    retune: bool = False,
     **cache_kwargs,
 ) -> SimResult:
     """Replay ``requests`` through a ``policy`` cache of ``cache_bytes`` bytes for model ``cost``.
 
     ``alpha`` fixes the FLOP-aware weight (no tuning); otherwise FLOP-aware policies bootstrap with
-    LRU for ``bootstrap`` requests (default ``min(200, n // 5)``) and tune. ``oracle`` must be given
+    LRU for ``bootstrap`` requests (default ``min(200, n // 5)``) and tune once (``retune``: again
+    whenever a window's hit rate drifts, see :class:`AlphaTuner`). ``oracle`` must be given
     for the ``oracle`` policy (built automatically when omitted). ``check`` asserts tree invariants.
     """
     spec = get_policy(policy)
@@ -136,7 +138,7 @@ def simulate(
         cache.alpha = alpha
     window = bootstrap if bootstrap is not None else max(1, min(200, n // 5))
     if tuning:
-        tuner = tuner or AlphaTuner(window=window)
+        tuner = tuner or AlphaTuner(window=window, retune=retune)
     hits: list[float] = []
     since_tune = 0
     it = range(n)
@@ -176,7 +178,8 @@ def simulate(
                 cache.alpha = a
                 res.alphas.append((i + 1, a))
             since_tune = 0
-            snapshot = _snapshot(cache, oracle)
+            if tuner.retune:  # the next window may re-tune: it replays from here
+                snapshot = _snapshot(cache, oracle)
     return res
 
 
