@@ -1,5 +1,6 @@
 """Trace replay of the cache policies (same code path as the SGLang adapter)."""
 
+from .bound import HeadroomBound, headroom_bound, reuse_depths
 from .models import MODEL_CONFIGS, QWEN3_NEXT_80B_A3B, cost_model
 from .oracle import OracleLaw
 from .simulator import RequestRecord, SimResult, simulate, warm_replay_score
@@ -7,6 +8,7 @@ from .synthetic import SHAPES, synthetic_trace
 from .trace import SimRequest, load_trace
 
 __all__ = [
+    "HeadroomBound",
     "MODEL_CONFIGS",
     "QWEN3_NEXT_80B_A3B",
     "SHAPES",
@@ -15,7 +17,9 @@ __all__ = [
     "SimRequest",
     "SimResult",
     "cost_model",
+    "headroom_bound",
     "load_trace",
+    "reuse_depths",
     "simulate",
     "synthetic_trace",
     "warm_replay_score",
