@@ -52,18 +52,35 @@ def _run(lengths: list[int], offsets: list[list[int]], seed: int = 0, pool_dtype
     flat = torch.tensor([p for o in offsets for p in o], dtype=torch.long)
     dst = torch.arange(n + 1, n + 1 + n_caps)
     plain_pool = pool.clone()
-    o_plain, fin_plain = chunk_gated_delta_rule(
-        q, k, v, g, beta, plain_pool, True, cu_seq, False, True, work
-    )
+    o_plain, fin_plain = chunk_gated_delta_rule(q, k, v, g, beta, plain_pool, True, cu_seq, False, True, work)
     o, fin = chunk_gated_delta_rule(
-        q, k, v, g, beta, pool, True, cu_seq, False, True, work,
-        capture_cu=cu, capture_offsets=flat, capture_slots=dst, capture_pool=pool,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        pool,
+        True,
+        cu_seq,
+        False,
+        True,
+        work,
+        capture_cu=cu,
+        capture_offsets=flat,
+        capture_slots=dst,
+        capture_pool=pool,
     )
     assert torch.equal(o, o_plain) and torch.equal(fin, fin_plain)
     assert torch.equal(pool[: n + 1], plain_pool[: n + 1])  # working slots: same final states
     ref_o, ref_fin, ref_caps = naive_recurrent_gdn(
-        l2norm(q), l2norm(k), v, g, beta, initial_state=init.to(pool_dtype).float(),
-        capture_positions=[sorted(set(o)) for o in offsets], cu_seqlens=cu_seq,
+        l2norm(q),
+        l2norm(k),
+        v,
+        g,
+        beta,
+        initial_state=init.to(pool_dtype).float(),
+        capture_positions=[sorted(set(o)) for o in offsets],
+        cu_seqlens=cu_seq,
     )
     assert float((o - ref_o).abs().max()) < TOL
     j = 0
@@ -99,9 +116,21 @@ def test_capture_rejects_out_of_range_offset() -> None:
     pool = torch.zeros(3, HV, V, K)
     with pytest.raises(ValueError):
         chunk_gated_delta_rule(
-            q, k, v, g, beta, pool, True, torch.tensor([0, 10]), False, True, torch.tensor([0]),
-            capture_cu=torch.tensor([0, 1]), capture_offsets=torch.tensor([11]),
-            capture_slots=torch.tensor([1]), capture_pool=pool,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            pool,
+            True,
+            torch.tensor([0, 10]),
+            False,
+            True,
+            torch.tensor([0]),
+            capture_cu=torch.tensor([0, 1]),
+            capture_offsets=torch.tensor([11]),
+            capture_slots=torch.tensor([1]),
+            capture_pool=pool,
         )
 
 
@@ -132,8 +161,14 @@ def test_conv_capture_equals_conv_state_after_prefix(has_init: bool) -> None:
         for p in offs:
             ref = before.clone()
             causal_conv1d_fwd(
-                x[lo : lo + p].transpose(0, 1), weight, None, ref, torch.tensor([0, p]),
-                idx[s : s + 1], hinit[s : s + 1], True,
+                x[lo : lo + p].transpose(0, 1),
+                weight,
+                None,
+                ref,
+                torch.tensor([0, p]),
+                idx[s : s + 1],
+                hinit[s : s + 1],
+                True,
             )
             want = ref[int(idx[s])] if p > 0 else (before[s] if has_init else torch.zeros(dim, width - 1))
             assert torch.equal(pool[2 + j], want), (s, p)

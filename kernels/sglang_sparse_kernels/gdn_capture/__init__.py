@@ -3,7 +3,9 @@
 Layout follows FLA's ``ops/<op>/`` convention: :mod:`.naive` is the token-by-token reference,
 :mod:`.chunk_torch` the chunked pure-PyTorch forward and :mod:`.chunk_triton` the forward composed from
 FLA's Triton building blocks (imported lazily: it needs ``triton`` and ``flash-linear-attention``).
-:mod:`._interpret` holds the monkey-patches that let the Triton path run under ``TRITON_INTERPRET=1``.
+:mod:`.list_capture_triton` is the Triton list-capture variant (captured states written straight into
+a slot-indexed state pool, the server's interface; also lazy).  :mod:`._interpret` holds the
+monkey-patches that let the Triton path run under ``TRITON_INTERPRET=1``.
 
 State convention everywhere: ``[N, HV, K, V]`` float32 (key-first, FLA's default ``state_v_first=False``).
 """
@@ -11,12 +13,25 @@ State convention everywhere: ``[N, HV, K, V]`` float32 (key-first, FLA's default
 from .chunk_torch import CaptureSpec, chunk_gdn_fwd_capture
 from .naive import naive_recurrent_gdn
 
-__all__ = ["CaptureSpec", "chunk_gdn_fwd_capture", "chunk_gdn_fwd_capture_triton", "naive_recurrent_gdn"]
+__all__ = [
+    "CaptureSpec",
+    "chunk_gdn_fwd_capture",
+    "chunk_gdn_fwd_capture_triton",
+    "chunk_gdn_fwd_h_list_capture",
+    "chunk_gdn_fwd_list_capture_triton",
+    "naive_recurrent_gdn",
+]
+
+_LAZY = {
+    "chunk_gdn_fwd_capture_triton": "chunk_triton",
+    "chunk_gdn_fwd_h_list_capture": "list_capture_triton",
+    "chunk_gdn_fwd_list_capture_triton": "list_capture_triton",
+}
 
 
 def __getattr__(name: str):  # lazy: keep torch-only users free of triton/fla imports
-    if name == "chunk_gdn_fwd_capture_triton":
-        from .chunk_triton import chunk_gdn_fwd_capture_triton
+    if name in _LAZY:
+        import importlib
 
-        return chunk_gdn_fwd_capture_triton
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(name)

@@ -37,7 +37,7 @@ import torch
 from ._interpret import enable_interpreter_workarounds, interpreter_active
 from .chunk_torch import CaptureSpec, check_inputs, normalize_capture, seq_bounds
 
-__all__ = ["chunk_gdn_fwd_capture_triton"]
+__all__ = ["chunk_gdn_fwd_capture_triton", "fla_wy_prepare"]
 
 _RCP_LN2 = 1.0 / math.log(2.0)
 
@@ -88,44 +88,21 @@ def chunk_gdn_fwd_capture_triton(
 
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
-    from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-    from fla.ops.utils import chunk_local_cumsum, solve_tril
-    from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+    from fla.ops.utils.index import prepare_chunk_offsets
 
     BT = chunk_size
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        from fla.modules.norm.l2norm import l2norm_fwd
-
-        q, _ = l2norm_fwd(q)
-        k, _ = l2norm_fwd(k)
-    cu: torch.Tensor | None = None
-    chunk_indices: torch.Tensor | None = None
-    if cu_seqlens is not None:
-        cu = torch.as_tensor(cu_seqlens, dtype=torch.long, device=q.device)
-        chunk_indices = prepare_chunk_indices(cu, BT)
+    q, k, gc, w, u, cu, chunk_indices = fla_wy_prepare(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        chunk_size=BT,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm,
+        fused_intra=fused_intra,
+    )
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-
-    gc = chunk_local_cumsum(g, chunk_size=BT, scale=_RCP_LN2, cu_seqlens=cu, chunk_indices=chunk_indices)
-    if fused_intra:
-        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-
-        w, u, _ = chunk_gated_delta_rule_fwd_intra(
-            k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_size=BT, chunk_indices=chunk_indices
-        )
-    else:
-        A = chunk_scaled_dot_kkt_fwd(
-            k=k,
-            g=gc,
-            beta=beta,
-            cu_seqlens=cu,
-            chunk_size=BT,
-            output_dtype=torch.float32,
-            chunk_indices=chunk_indices,
-        )
-        A = solve_tril(A=A, cu_seqlens=cu, chunk_indices=chunk_indices, output_dtype=k.dtype)
-        w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=gc, cu_seqlens=cu, chunk_indices=chunk_indices)
     q_o, k_h = q, k
     if fp32_states and k.dtype != torch.float32:
         q_o, k_h, w, u = (t.float() for t in (q, k, w, u))
@@ -169,3 +146,74 @@ def chunk_gdn_fwd_capture_triton(
         out.append(torch.stack(rows) if rows else final_state.new_empty(0, HV, K, V))
     states: torch.Tensor | list[torch.Tensor] = torch.stack(out) if shared else out
     return o.to(q.dtype), final_state, states
+
+
+def fla_wy_prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int,
+    cu_seqlens: torch.Tensor | Sequence[int] | None,
+    use_qk_l2norm: bool,
+    fused_intra: bool,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor | None,
+]:
+    """Steps 1-2 of the pipeline (FLA kernels): optional l2norm, log2 chunk-local cumsum of ``g``, WY.
+
+    Args: ``q, k`` ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]``, ``g, beta`` ``[B, T, HV]`` (validated by the
+    caller), ``chunk_size`` in {16, 32, 64}.
+
+    Returns:
+        ``(q, k, gc, w, u, cu, chunk_indices)``: contiguous (l2-normalised if asked) ``q, k``;
+        ``gc`` ``[B, T, HV]`` float32 in-chunk cumulative decay in log2 units; ``w`` ``[B, T, HV, K]``
+        and ``u`` ``[B, T, HV, V]`` (WY representation, ``k.dtype``); ``cu`` the ``cu_seqlens`` as an
+        int64 tensor on ``q.device`` (None without varlen) and FLA's ``chunk_indices`` (None without
+        varlen).
+    """
+    from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum, solve_tril
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    BT = chunk_size
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        from fla.modules.norm.l2norm import l2norm_fwd
+
+        q, _ = l2norm_fwd(q)
+        k, _ = l2norm_fwd(k)
+    cu: torch.Tensor | None = None
+    chunk_indices: torch.Tensor | None = None
+    if cu_seqlens is not None:
+        cu = torch.as_tensor(cu_seqlens, dtype=torch.long, device=q.device)
+        chunk_indices = prepare_chunk_indices(cu, BT)
+
+    gc = chunk_local_cumsum(g, chunk_size=BT, scale=_RCP_LN2, cu_seqlens=cu, chunk_indices=chunk_indices)
+    if fused_intra:
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(
+            k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_size=BT, chunk_indices=chunk_indices
+        )
+    else:
+        A = chunk_scaled_dot_kkt_fwd(
+            k=k,
+            g=gc,
+            beta=beta,
+            cu_seqlens=cu,
+            chunk_size=BT,
+            output_dtype=torch.float32,
+            chunk_indices=chunk_indices,
+        )
+        A = solve_tril(A=A, cu_seqlens=cu, chunk_indices=chunk_indices, output_dtype=k.dtype)
+        w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=gc, cu_seqlens=cu, chunk_indices=chunk_indices)
+    return q, k, gc, w, u, cu, chunk_indices
