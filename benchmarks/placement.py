@@ -8,13 +8,19 @@ recomputes ``d - c`` recurrent tokens of the shared prefix, ``d`` = the deepest 
 reduction factor is ``sum d / sum (d - c)`` over the trace (no-cache recompute / recompute).
 
 Methods, each with a budget of ``M`` checkpoints per entry on the 64-token grid:
-  * ``dp`` - online DP: every entry keeps an EW histogram (gamma) of the overlap depths that
-    requests had with it (seeded with the ``K`` requests before it, then every later request),
-    re-solved every ``R`` observations; newly planned positions are captured only when a later
-    request's prefill passes them (``resume < p <= LCP``); unused budget is filled by balanced spacing.
+  * ``dp`` - online DP, the product's planner (``sglang_sparse.placement.online``): every entry
+    keeps an EW histogram (gamma) of the overlap depths that requests had with it (seeded with the
+    ``K`` requests before it, then every later request), re-planned every ``R`` observations by
+    ``OnlinePlanner`` (own law + global ``DepthPrior`` + uniform hedge, DP, balanced fill); newly
+    planned positions are captured only when a later request's prefill passes them
+    (``passed_positions``: ``resume <= p <= LCP``), and ``admit`` makes room over budget.
   * ``block`` / ``balanced`` / ``log`` / ``sqrt`` - the budgeted baselines (placement.BASELINES).
   * ``oracle`` - the DP fed each entry's true lifetime overlap law (an upper bound).
   * ``block@B`` - block caching with a fixed block size B (its checkpoint count varies by length).
+
+Short-prompt sets (``<name>_short``): the same replay on a variant of each Pareto trace with a
+median input of ~250 tokens and the prefix sharing kept (:func:`short_prompt_variant`).
+Acceptance: ``dp`` >= block, balanced, log and sqrt at every ``M`` on every set, long and short.
 
 Part 2 - DP solve time vs N (blocks) and M: native hull, Python hull and the O(N²M) reference.
 
@@ -38,9 +44,12 @@ from sglang_sparse.placement import (
     DEFAULT_GRID,
     DepthHistogram,
     DepthLaw,
-    balanced_placement,
+    DepthPrior,
+    OnlinePlanner,
+    admit,
     block_placement,
     grid_candidates,
+    passed_positions,
     solve_dp,
     solve_dp_python,
     solve_dp_reference,
@@ -51,11 +60,11 @@ from ._common import REPO, progress, table, write_json
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 PARETO_TRACES = ("system_prompts", "doc_qa", "rag")
-PRIOR_WEIGHT = 0.05
-"""Mass of the global relative-depth prior, as a fraction of the entry's own mass at depths >= one
-grid step (the mass a checkpoint can serve); the prior alone decides when that mass is zero."""
-REL_RESOLUTION = 4096
-"""Relative depths ``d / len`` are kept in the global histogram as integers in [0, REL_RESOLUTION]."""
+SHORT_MEDIAN = 250
+"""Target median input (tokens) of the short-prompt sets (:func:`short_prompt_variant`)."""
+SHORT_SUFFIX = "_short"
+ACCEPT_BASELINES = ("block", "balanced", "log", "sqrt")
+"""The budgeted baselines the online DP must match or beat at every M."""
 
 
 def lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -84,18 +93,6 @@ class Entry:
 def _resume(positions: np.ndarray, depth: int) -> int:
     k = int(np.searchsorted(positions, depth, side="right"))
     return int(positions[k - 1]) if k else 0
-
-
-def _fill(plan: Sequence[int], length: int, budget: int, grid: int) -> np.ndarray:
-    """DP positions plus evenly spread positions (the last-resort prior) until ``budget`` is used."""
-    chosen = set(plan)
-    spare = budget - len(chosen)
-    if spare > 0:
-        for p in balanced_placement(length, spare, grid) + balanced_placement(length, budget, grid):
-            if len(chosen) >= budget:
-                break
-            chosen.add(p)
-    return np.array(sorted(chosen), dtype=np.int64)
 
 
 @dataclass
@@ -150,7 +147,8 @@ def replay_last_k(
             live.pop(0)
     # pass 2: placements
     entries: dict[int, Entry] = {}
-    prior = DepthHistogram(gamma, refresh)
+    prior = DepthPrior(gamma, grid)
+    planner = OnlinePlanner(grid)
     for t, (_inp, full) in progress(enumerate(sequences), total=len(sequences), desc=desc):
         row = overlaps[t]
         d_max = max((d for _, d in row), default=0)
@@ -161,7 +159,7 @@ def replay_last_k(
             worst[key] = max(worst[key], d_max - c)
         if row:
             e_best, d_best = max(row, key=lambda x: (x[1], x[0]))
-            prior.observe(round(d_best / entries[e_best].tokens.size * REL_RESOLUTION))
+            prior.observe(d_best, entries[e_best].tokens.size)
         # online DP: observe, re-plan every `refresh` observations, capture passed positions
         for e, entry in entries.items():
             d = next((dd for ee, dd in row if ee == e), 0)
@@ -170,20 +168,21 @@ def replay_last_k(
             for m in budgets:
                 key = f"dp/{m}"
                 resume = max((_resume(entries[ee].sets[key], dd) for ee, dd in row), default=0)
-                passed = {p for p in entry.pending[key] if resume <= p <= d}
+                passed = passed_positions(entry.pending[key], resume, d)
                 if passed:
+                    assert entry.law is not None
                     entry.pending[key] -= passed
-                    entry.sets[key] = _admit(entry, key, passed, m)
+                    entry.sets[key] = admit(entry.sets[key], passed, entry.target[key], m, entry.law)
             if entry.hist.due:
                 entry.hist.mark_refreshed()
-                _plan_dp(entry, budgets, grid, prior, initial=False)
+                _plan_dp(entry, budgets, planner, prior, initial=False)
         # insert the new entry
         entry = Entry(tokens=full, born=t, hist=DepthHistogram(gamma, refresh))
         for s in range(max(0, t - k_entries), t):
             entry.hist.observe(lcp(sequences[s][0], full))
         entry.hist.mark_refreshed()
         n = full.size
-        _plan_dp(entry, budgets, grid, prior, initial=True)
+        _plan_dp(entry, budgets, planner, prior, initial=True)
         cands = grid_candidates(n, grid)
         for m in budgets:
             law = DepthLaw.from_depths(lifetime[t], None, cands)
@@ -203,45 +202,21 @@ def replay_last_k(
     return ReplayResult(overlap, recompute, worst, checkpoints)
 
 
-def _plan_dp(entry: Entry, budgets: Sequence[int], grid: int, prior: DepthHistogram, initial: bool) -> None:
-    """Re-solve the entry's DP for every budget from its histogram plus the light global prior."""
+def _plan_dp(
+    entry: Entry, budgets: Sequence[int], planner: OnlinePlanner, prior: DepthPrior, initial: bool
+) -> None:
+    """Re-plan the entry's targets for every budget (placement.OnlinePlanner); at insertion they are
+    held at once, later new targets wait in ``pending`` until a prefill passes them."""
     assert entry.hist is not None
-    n = entry.tokens.size
-    own_d, own_w = entry.hist.items()
-    cands = grid_candidates(n, grid)
-    informative = float(own_w[own_d >= grid].sum())  # mass a checkpoint could serve at all
-    prior_mass = PRIOR_WEIGHT * informative if informative > 0 else 1.0
-    rel, rel_w = prior.items()
-    if rel_w.size:
-        rel_w = rel_w * (0.5 * prior_mass / rel_w.sum())
-    # uniform hedge: equal mass in the middle of every grid block (balanced spacing is its optimum)
-    uni_d = np.minimum(cands + grid // 2, n).astype(np.float64)
-    uni_w = np.full(uni_d.size, 0.5 * prior_mass / max(uni_d.size, 1))
-    depths = np.concatenate([own_d.astype(np.float64), np.floor(rel / REL_RESOLUTION * n), uni_d])
-    law = DepthLaw.from_depths(depths, np.concatenate([own_w, rel_w, uni_w]), cands)
-    entry.law = law
-    for m in budgets:
+    entry.law, targets = planner.plan(*entry.hist.items(), entry.tokens.size, budgets, prior)
+    for m, target in targets.items():
         key = f"dp/{m}"
-        target = _fill(solve_dp(law, m).positions, n, m, grid)
         entry.target[key] = set(target.tolist())
         if initial:
             entry.sets[key] = target
             entry.pending[key] = set()
         else:  # captured positions stay until a planned one arrives and needs the room
             entry.pending[key] = entry.target[key] - set(entry.sets[key].tolist())
-
-
-def _admit(entry: Entry, key: str, passed: set[int], budget: int) -> np.ndarray:
-    """Add newly captured planned positions; over budget, drop unplanned positions of least value."""
-    assert entry.law is not None
-    held = set(entry.sets[key].tolist()) | passed
-    while len(held) > budget:
-        extra = sorted(held - entry.target[key]) or sorted(held)
-        idx = entry.law.indices_of(sorted(held))
-        base = entry.law.cost_of_indices(idx)
-        loss = [entry.law.cost_of_indices(entry.law.indices_of(sorted(held - {p}))) - base for p in extra]
-        held.discard(extra[int(np.argmin(loss))])
-    return np.array(sorted(held), dtype=np.int64)
 
 
 def load_sequences(path: Path, limit: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -255,46 +230,108 @@ def load_sequences(path: Path, limit: int | None = None) -> list[tuple[np.ndarra
     return out
 
 
-def pareto(trace_dir: Path, traces: Sequence[str], limit: int | None, k_entries: int) -> dict:
+def short_prompt_variant(
+    sequences: Sequence[tuple[np.ndarray, np.ndarray]], target_median: int = SHORT_MEDIAN
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """A short-prompt set (median input ~``target_median`` tokens) built from a single-turn trace.
+
+    Construction (deterministic): with stride ``k = max(1, round(median input / target_median))``
+    every request keeps every ``k``-th token of its input (``input[::k]``) and its whole output
+    (``input[::k] + output``). Decimation keeps prefix sharing: when two inputs agree on their first
+    ``d`` tokens, their decimated inputs agree on their first ``ceil(d / k)``, so every sharing
+    relation of the source (instruction prefix, popular system prompt, retrieved-chunk boundaries,
+    document end) survives with its depth scaled by ``1/k`` and its proportions kept (the decimated
+    LCP exceeds ``ceil(d / k)`` only where kept tokens after the divergence happen to agree; the
+    replay recomputes every LCP exactly on the new sequences). The 64-token grid is not scaled,
+    so an entry now spans a few grid blocks only, and the answer (16-128 tokens, kept whole as
+    real chat answers are; no request of a single-turn trace extends another's output) is a large
+    share of it. Returns the new ``(input, input + output)`` pairs and ``k``.
+    """
+    if target_median <= 0:
+        raise ValueError(f"target_median must be > 0 tokens, got {target_median}")
+    if not sequences:
+        return [], 1
+    k = max(1, round(float(np.median([inp.size for inp, _ in sequences])) / target_median))
+    out = []
+    for inp, full in sequences:
+        short = inp[::k]
+        out.append((short, np.concatenate([short, full[inp.size :]])))
+    return out, k
+
+
+def _replay_summary(seqs: Sequence[tuple[np.ndarray, np.ndarray]], k_entries: int, desc: str) -> dict:
+    res = replay_last_k(seqs, k_entries=k_entries, desc=desc)
+    methods: dict[str, list[dict]] = {}
+    for key in res.recompute:
+        method, _, m = key.partition("/")
+        methods.setdefault(method, []).append(
+            {
+                "budget": int(m) if m else None,
+                "checkpoints_per_entry": res.checkpoints[key],
+                "reduction": res.reduction(key),
+                "recompute_tokens": res.recompute[key],
+                "worst_recompute_tokens": res.worst[key],
+            }
+        )
+    inputs = [inp.size for inp, _ in seqs]
+    return {
+        "requests": len(seqs),
+        "median_input_tokens": float(np.median(inputs)) if inputs else 0.0,
+        "overlap_tokens": res.overlap_tokens,
+        "methods": methods,
+    }
+
+
+def pareto(
+    trace_dir: Path,
+    traces: Sequence[str],
+    limit: int | None,
+    k_entries: int,
+    short_traces: Sequence[str] = (),
+    short_median: int = SHORT_MEDIAN,
+) -> dict:
+    """Part 1 on every trace in ``traces`` and on the short-prompt variant (key ``<name>_short``,
+    :func:`short_prompt_variant`) of every trace in ``short_traces``."""
     results: dict = {}
-    for name in progress(traces, desc="traces"):
+    loaded: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for name in list(traces) + [n for n in short_traces if n not in traces]:
         path = trace_dir / f"{name}.jsonl"
         if not path.exists():
             raise SystemExit(
                 f"error: trace {path} not found; build it with `python -m sglang_sparse.traces build {name}`"
             )
-        seqs = load_sequences(path, limit)
-        res = replay_last_k(seqs, k_entries=k_entries, desc=name)
-        methods: dict[str, list[dict]] = {}
-        for key in res.recompute:
-            method, _, m = key.partition("/")
-            methods.setdefault(method, []).append(
-                {
-                    "budget": int(m) if m else None,
-                    "checkpoints_per_entry": res.checkpoints[key],
-                    "reduction": res.reduction(key),
-                    "recompute_tokens": res.recompute[key],
-                    "worst_recompute_tokens": res.worst[key],
-                }
-            )
-        results[name] = {"requests": len(seqs), "overlap_tokens": res.overlap_tokens, "methods": methods}
+        loaded[name] = load_sequences(path, limit)
+    for name in progress(traces, desc="traces"):
+        results[name] = _replay_summary(loaded[name], k_entries, name)
+    for name in progress(short_traces, desc="short-prompt sets"):
+        seqs, stride = short_prompt_variant(loaded[name], short_median)
+        results[f"{name}{SHORT_SUFFIX}"] = {
+            "source": name,
+            "stride": stride,
+            **_replay_summary(seqs, k_entries, f"{name}{SHORT_SUFFIX}"),
+        }
     return results
 
 
 def acceptance(results: dict) -> dict:
-    """DP >= every budgeted baseline at every M; checkpoints DP needs to match each block size."""
+    """Per set: where DP loses to a budgeted baseline (block, balanced, log, sqrt) at the same M
+    (``dp_loses_to``; empty = the acceptance holds), the smallest ``dp / best baseline`` over M
+    (``dp_min_margin``, >= 1 when it holds) and the checkpoints DP needs to match each block size."""
     out: dict = {}
     for name, r in results.items():
         meth = r["methods"]
         dp = {x["budget"]: x["reduction"] for x in meth["dp"]}
         dp_ck = {x["budget"]: x["checkpoints_per_entry"] for x in meth["dp"]}
         losses = []
-        for b in ("block", "balanced", "log", "sqrt"):
+        best: dict[int, float] = {}
+        for b in ACCEPT_BASELINES:
             for x in meth[b]:
+                best[x["budget"]] = max(best.get(x["budget"], 0.0), x["reduction"])
                 if dp[x["budget"]] < x["reduction"] * (1 - 1e-9):
                     losses.append(
                         {"baseline": b, "budget": x["budget"], "dp": dp[x["budget"]], "it": x["reduction"]}
                     )
+        margin = min((dp[m] / v for m, v in best.items() if v > 0), default=float("nan"))
         matches = []
         for key, xs in meth.items():
             if not key.startswith("block@"):
@@ -315,7 +352,7 @@ def acceptance(results: dict) -> dict:
                     else None,
                 }
             )
-        out[name] = {"dp_loses_to": losses, "dp_vs_block": matches}
+        out[name] = {"dp_loses_to": losses, "dp_min_margin": margin, "dp_vs_block": matches}
     return out
 
 
@@ -371,10 +408,15 @@ def plot_pareto(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.2), squeeze=False)
+    ncols = min(3, len(results))
+    nrows = -(-len(results) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(results) :]:
+        ax.set_visible(False)
     style = {"dp": "o-", "oracle": "k:", "block": "s--", "balanced": "^--", "log": "v--", "sqrt": "d--"}
-    for ax, (name, r) in zip(axes[0], results.items(), strict=True):
+    for ax, (name, r) in zip(axes.flat, results.items(), strict=False):
         for method, mk in style.items():
             xs = [x["checkpoints_per_entry"] for x in r["methods"][method]]
             ys = [x["reduction"] for x in r["methods"][method]]
@@ -384,9 +426,16 @@ def plot_pareto(results: dict, path: Path) -> None:
         ax.plot(bx, by, "x-", color="gray", label="block@B (fixed size)")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            if hi / lo < 20:  # a narrow range: label 2, 3, 5 x 10^k too
+                axis.set_minor_locator(LogLocator(subs=(2.0, 3.0, 5.0)))
+                axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            else:
+                axis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("checkpoints per cache entry")
         ax.set_ylabel("recurrent-work reduction (x)")
-        ax.set_title(f"{name} ({r['requests']} requests)")
+        ax.set_title(f"{name} ({r['requests']} req., median input {r['median_input_tokens']:.0f} tok)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
@@ -419,6 +468,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", type=Path, default=REPO / "traces" / "build", help="folder of built traces")
     ap.add_argument("--names", nargs="+", default=list(PARETO_TRACES), help="traces for the Pareto front")
+    ap.add_argument(
+        "--short-names",
+        nargs="*",
+        default=list(PARETO_TRACES),
+        help="traces whose short-prompt variant is also replayed (none: skip)",
+    )
+    ap.add_argument(
+        "--short-median",
+        type=int,
+        default=SHORT_MEDIAN,
+        help="target median input of the short sets (tokens)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="use only the first N requests of each trace")
     ap.add_argument("--entries", type=int, default=32, help="K: the cache keeps the last K requests")
     ap.add_argument(
@@ -431,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._common import results_dir
 
     out = results_dir(args.quick)
-    results = pareto(args.traces, args.names, args.limit, args.entries)
+    results = pareto(args.traces, args.names, args.limit, args.entries, args.short_names, args.short_median)
     acc = acceptance(results)
     write_json(
         "placement",
@@ -439,8 +500,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "k_entries": args.entries,
             "limit": args.limit,
             "budgets": list(BUDGETS),
+            "short_median_target": args.short_median,
             "traces": results,
             "acceptance": acc,
+            "acceptance_holds": all(not a["dp_loses_to"] for a in acc.values()),
         },
         out,
     )
@@ -455,8 +518,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for k in ("dp", "oracle", "block", "balanced", "log", "sqrt")
                 ]
             )
+        what = f"{r['requests']} requests, median input {r['median_input_tokens']:.0f} tokens"
+        if "stride" in r:
+            what += f", every {r['stride']}th input token of {r['source']}"
         print(
-            f"\n== {name}: recurrent-work reduction (x) by checkpoint budget M, last-{args.entries} entries"
+            f"\n== {name} ({what}): recurrent-work reduction (x) by checkpoint budget M, "
+            f"last-{args.entries} entries"
         )
         print(table(rows, ["M", "dp", "oracle", "block", "balanced", "log", "sqrt"]))
         print(f"   DP loses to a baseline at: {acc[name]['dp_loses_to'] or 'nowhere'}")
@@ -466,6 +533,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{x['block_reduction']:.3g}x; DP matches with M={x['dp_budget_needed']} "
                 f"(ratio {x['ratio'] if x['ratio'] is None else round(x['ratio'], 3)})"
             )
+    holds = all(not a["dp_loses_to"] for a in acc.values())
+    print(
+        "\n== acceptance (online DP >= block, balanced, log, sqrt at every M): "
+        + ("holds on every set" if holds else "FAILS")
+        + "; min dp / best baseline: "
+        + ", ".join(f"{n} {a['dp_min_margin']:.4f}" for n, a in acc.items())
+    )
     if not args.skip_timing:
         timing = time_dp(args.quick)
         write_json("placement_dp_time", timing, out)

@@ -6,6 +6,8 @@
 * Baselines with one interface: :data:`BASELINES` (block, balanced, log, sqrt, last).
 * :class:`DepthHistogram` - exponentially weighted depth histogram with a refresh period.
 * :func:`evaluate_placement` - expected / worst-case recompute of any checkpoint set.
+* :class:`OnlinePlanner` - online targets of one cache entry (own law + global :class:`DepthPrior`
+  + uniform hedge, DP, balanced fill); :func:`passed_positions` / :func:`admit` - capture rules.
 """
 
 from .baselines import (
@@ -21,15 +23,30 @@ from .dp import HAVE_NATIVE, Placement, solve_dp, solve_dp_native, solve_dp_pyth
 from .evaluate import RecomputeStats, evaluate_placement, resume_points
 from .histogram import DepthHistogram
 from .law import DEFAULT_GRID, DepthLaw, grid_candidates
+from .online import (
+    PRIOR_WEIGHT,
+    REL_RESOLUTION,
+    DepthPrior,
+    OnlinePlanner,
+    admit,
+    balanced_fill,
+    passed_positions,
+)
 
 __all__ = [
     "BASELINES",
     "DEFAULT_GRID",
     "HAVE_NATIVE",
+    "PRIOR_WEIGHT",
+    "REL_RESOLUTION",
     "DepthHistogram",
     "DepthLaw",
+    "DepthPrior",
+    "OnlinePlanner",
     "Placement",
     "RecomputeStats",
+    "admit",
+    "balanced_fill",
     "balanced_placement",
     "block_budget_placement",
     "block_placement",
@@ -37,6 +54,7 @@ __all__ = [
     "grid_candidates",
     "last_only_placement",
     "log_placement",
+    "passed_positions",
     "resume_points",
     "solve_dp",
     "solve_dp_native",
