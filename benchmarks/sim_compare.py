@@ -3,33 +3,67 @@
 Cache sizes are fractions of the trace's infinite-cache KV footprint (unique cached tokens x KV
 bytes per token). Writes ``benchmarks/results/sim_compare.json`` and one PNG per trace (token hit
 rate and FLOPs saved vs cache size per policy) and prints a table. Needs the built traces
-(``python -m sglang_sparse.traces build all``); ``--synthetic`` uses small generated traces instead.
+(``python -m sglang_sparse.traces build all``); ``--synthetic`` uses small generated traces instead;
+``--trace FILE`` (repeatable) replays any trace file (named by its file stem).
+
+The policies are the registry's cache policies plus the published baselines of the Marconi paper
+(``sglang_plus_published``, ``marconi_published``, ``vllm_plus_published``; see
+``sglang_sparse.policy.published``), which keep the reference simulator's soft cap: their
+``max_bytes_used`` can exceed the cache size.
 
     python benchmarks/sim_compare.py [--quick] [--traces doc_qa system_prompts agent] [--policies ...]
+    python benchmarks/sim_compare.py --trace my_trace.jsonl [--trace other.jsonl] [--fracs 0.1 0.3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks._common import REPO, results_dir
-from sglang_sparse.policy import POLICY_NAMES
-from sglang_sparse.sim import OracleLaw, cost_model, load_trace, simulate, synthetic_trace
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import REPO, results_dir  # noqa: E402
+from sglang_sparse.policy import POLICY_NAMES, PUBLISHED_NAMES  # noqa: E402
+from sglang_sparse.sim import OracleLaw, cost_model, load_trace, simulate, synthetic_trace  # noqa: E402
 
 FULL_FRACS = (0.05, 0.1, 0.2, 0.3, 0.5)
 QUICK_FRACS = (0.1, 0.3)
+DEFAULT_TRACES = ("doc_qa", "system_prompts", "agent", "rag")
+DEFAULT_POLICIES = tuple(p for p in POLICY_NAMES if p != "sparse_law") + PUBLISHED_NAMES
+
+
+def trace_sources(names: list[str] | None, files: list[str] | None) -> list[tuple[str, Path]]:
+    """``(name, path)`` per trace: built traces by name (``traces/build/<name>.jsonl``) then files
+    (named by their stem, ``-2``, ``-3``... on repeats). Without either, the default built traces."""
+    if names is None and not files:
+        names = list(DEFAULT_TRACES)
+    out = [(n, REPO / "traces" / "build" / f"{n}.jsonl") for n in names or []]
+    for f in files or []:
+        p = Path(f)
+        name, k = p.stem, 1
+        while any(name == n for n, _ in out):
+            k += 1
+            name = f"{p.stem}-{k}"
+        out.append((name, p))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="two cache sizes only")
-    ap.add_argument("--traces", nargs="+", default=["doc_qa", "system_prompts", "agent", "rag"])
-    ap.add_argument("--policies", nargs="+", default=[p for p in POLICY_NAMES if p != "sparse_law"])
+    ap.add_argument(
+        "--traces", nargs="+", default=None, help=f"built trace names (default {' '.join(DEFAULT_TRACES)})"
+    )
+    ap.add_argument(
+        "--trace", action="append", default=None, metavar="FILE", help="a trace file (JSONL), repeatable"
+    )
+    ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
     ap.add_argument("--fracs", nargs="+", type=float, default=None)
     ap.add_argument("--model", default="qwen3-next-80b-a3b")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results[/quick])")
@@ -40,14 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else results_dir(args.quick)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"model": args.model, "fracs": fracs, "traces": {}}
-    jobs = [(t, f, p) for t in args.traces for f in fracs for p in args.policies]
+    sources = trace_sources(args.traces, args.trace)
+    jobs = [(t, f, p) for t, _ in sources for f in fracs for p in args.policies]
     bar = tqdm(total=len(jobs), desc="sim_compare")
-    for tname in args.traces:
-        path = REPO / "traces" / "build" / f"{tname}.jsonl"
+    for tname, path in sources:
         if args.synthetic:
             reqs = synthetic_trace(tname, 300, seed=0)
         elif path.exists():
             reqs = load_trace(path)
+        elif args.trace and str(path) in args.trace:
+            raise SystemExit(f"error: trace file {path} not found")
         else:
             raise SystemExit(f"error: {path} not found; run `python -m sglang_sparse.traces build {tname}`")
         oracle = OracleLaw(reqs)

@@ -12,7 +12,17 @@ from sglang_sparse.policy.cost_model import (
 from .admission import ADMISSIONS, capture_positions, marconi_branch_point
 from .cache import CacheSnapshot, HybridCache
 from .eviction import EvictionConfig, Evictor
-from .registry import POLICIES, POLICY_NAMES, PolicySpec, get_policy
+from .registry import (
+    POLICIES,
+    POLICY_NAMES,
+    PUBLISHED_NAMES,
+    PUBLISHED_POLICIES,
+    SIM_POLICY_NAMES,
+    PolicySpec,
+    PublishedSpec,
+    get_policy,
+    get_published,
+)
 from .tuner import DEFAULT_ALPHA_GRID, AlphaTuner
 
 __all__ = [
@@ -20,6 +30,9 @@ __all__ = [
     "DEFAULT_ALPHA_GRID",
     "POLICIES",
     "POLICY_NAMES",
+    "PUBLISHED_NAMES",
+    "PUBLISHED_POLICIES",
+    "SIM_POLICY_NAMES",
     "AlphaTuner",
     "AttentionSpec",
     "EvictionConfig",
@@ -31,8 +44,10 @@ __all__ = [
     "MLPSpec",
     "ModelCostModel",
     "PolicySpec",
+    "PublishedSpec",
     "capture_positions",
     "dtype_bytes",
     "get_policy",
+    "get_published",
     "marconi_branch_point",
 ]

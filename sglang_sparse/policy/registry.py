@@ -22,6 +22,27 @@ sparse_law     DP plan + Marconi                      recency + alpha * law-weig
 oracle         as sparse, per-edge law = the whole    as sparse (simulator only: needs a law
                trace's true overlap depths            provider)
 =============  =====================================  ==============================================
+
+Published baselines (simulator only; :data:`PUBLISHED_POLICIES`, implemented in :mod:`.published`
+line by line after github.com/ruipeterpan/marconi, the Marconi paper's simulator). They keep the
+reference's own tree (a state at every node end, eviction before insertion by an estimate, no
+locks), so they are not :class:`PolicySpec` entries and never reach the SGLang adapter:
+
+=====================  ====================================  =======================================
+name                   admission                             eviction
+=====================  ====================================  =======================================
+sglang_plus_published  whole input + output; branch state    LRU heap over leaves only, whole path
+                       at the exact split depth (also inside  stamped on match and insert
+                       an earlier output)                    (``evict_v1``)
+marconi_published      as sglang_plus_published              nodes with <= 1 child by alpha *
+                                                             FLOPs/byte + recency, only the deepest
+                                                             matched node stamped; alpha tuned once
+                                                             at 5x the requests before the first
+                                                             eviction, replaying from an empty tree
+                                                             (``evict_v2``, ``config_tuner.py``)
+vllm_plus_published    32-token blocks, a trailing partial   LRU heap over leaf blocks; soft cap
+                       block filled in place                 (``radix_cache_vllm.py``)
+=====================  ====================================  =======================================
 """
 
 from __future__ import annotations
@@ -108,4 +129,69 @@ def get_policy(name: str | PolicySpec) -> PolicySpec:
     try:
         return POLICIES[name]
     except (KeyError, TypeError):
+        if isinstance(name, str) and name in PUBLISHED_POLICIES:
+            raise ValueError(
+                f"policy {name!r} is a published baseline (simulator only: sglang_sparse.sim.simulate); "
+                f"cache policies: {', '.join(POLICY_NAMES)}"
+            ) from None
         raise ValueError(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}") from None
+
+
+@dataclass(frozen=True)
+class PublishedSpec:
+    """A published baseline of the Marconi paper (see :mod:`.published`).
+
+    ``kind``: ``"hybrid"`` (``radix_cache_hybrid.py``, ``version`` = its ``evict_policy_version``:
+    1 SGLang+, 2 Marconi) or ``"block"`` (``radix_cache_vllm.py``, ``block`` tokens per state);
+    ``flop_aware``: alpha is tuned (or fixed by the caller); ``reference``: the file / functions of
+    github.com/ruipeterpan/marconi it follows.
+    """
+
+    name: str
+    kind: str
+    version: int = 0
+    block: int = 32
+    flop_aware: bool = False
+    reference: str = ""
+    description: str = ""
+
+
+PUBLISHED_POLICIES: dict[str, PublishedSpec] = {
+    p.name: p
+    for p in (
+        PublishedSpec(
+            "sglang_plus_published",
+            "hybrid",
+            version=1,
+            reference="radix_cache_hybrid.py: RadixCache, evict_policy_version=1 (evict_v1)",
+            description="SGLang+ as published: leaf-only LRU, exact-split branch states",
+        ),
+        PublishedSpec(
+            "marconi_published",
+            "hybrid",
+            version=2,
+            flop_aware=True,
+            reference="radix_cache_hybrid.py: RadixCache, evict_policy_version=2 (evict_v2); config_tuner.py",
+            description="Marconi as published: deepest-node recency, alpha tuned once from an empty tree",
+        ),
+        PublishedSpec(
+            "vllm_plus_published",
+            "block",
+            block=32,
+            reference="radix_cache_vllm.py: RadixCache, block_size=32",
+            description="vLLM+ as published (block32): soft cap, tail-block LRU, partial-block reuse",
+        ),
+    )
+}
+
+PUBLISHED_NAMES: tuple[str, ...] = tuple(PUBLISHED_POLICIES)
+#: every name :func:`sglang_sparse.sim.simulate` accepts
+SIM_POLICY_NAMES: tuple[str, ...] = POLICY_NAMES + PUBLISHED_NAMES
+
+
+def get_published(name: str) -> PublishedSpec:
+    """The published baseline named ``name``; ``ValueError`` listing the valid names otherwise."""
+    try:
+        return PUBLISHED_POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown published policy {name!r}; valid: {', '.join(PUBLISHED_NAMES)}") from None

@@ -3,6 +3,7 @@
 from .bound import HeadroomBound, headroom_bound, reuse_depths
 from .models import MODEL_CONFIGS, QWEN3_NEXT_80B_A3B, cost_model
 from .oracle import OracleLaw
+from .published import simulate_published
 from .simulator import RequestRecord, SimResult, simulate, warm_replay_score
 from .synthetic import SHAPES, synthetic_trace
 from .trace import SimRequest, load_trace
@@ -21,6 +22,7 @@ __all__ = [
     "load_trace",
     "reuse_depths",
     "simulate",
+    "simulate_published",
     "synthetic_trace",
     "warm_replay_score",
 ]

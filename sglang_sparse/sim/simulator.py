@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from sglang_sparse.policy import (
+    PUBLISHED_POLICIES,
     AlphaTuner,
     CacheSnapshot,
     HybridCache,
@@ -117,9 +118,27 @@ def simulate(
 
     ``alpha`` fixes the FLOP-aware weight (no tuning); otherwise FLOP-aware policies bootstrap with
     LRU for ``bootstrap`` requests (default ``min(200, n // 5)``) and tune once (``retune``: again
-    whenever a window's hit rate drifts, see :class:`AlphaTuner`). ``oracle`` must be given
-    for the ``oracle`` policy (built automatically when omitted). ``check`` asserts tree invariants.
+    whenever a window's hit rate drifts, see :class:`AlphaTuner`). The published baselines
+    (``PUBLISHED_POLICIES``: ``sglang_plus_published``, ``marconi_published``,
+    ``vllm_plus_published``) run through :func:`.published.simulate_published` (``bootstrap``,
+    ``tuner``, ``oracle``, ``retune`` do not apply; ``cost`` may also be a ``MarconiModel``).
+    ``oracle`` must be given for the ``oracle`` policy (built automatically when omitted).
+    ``check`` asserts tree invariants.
     """
+    if isinstance(policy, str) and policy in PUBLISHED_POLICIES:
+        from .published import simulate_published
+
+        return simulate_published(
+            requests,
+            policy,
+            cache_bytes,
+            cost,
+            alpha=alpha,
+            keep_records=keep_records,
+            progress=progress,
+            check=check,
+            **cache_kwargs,
+        )
     spec = get_policy(policy)
     if spec.needs_law_provider and oracle is None:
         oracle = OracleLaw(requests)
