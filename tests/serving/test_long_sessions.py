@@ -3,9 +3,10 @@
 A session of ``T`` turns builds a radix-tree chain ``T`` nodes deep; before the one-tree adapter,
 the alpha tuner's ``deepcopy`` of a token-replayed shadow recursed once per level and killed the
 scheduler near turn 119 (tuning window 20) / 199 (default window). Here: default options except a
-short tuning window (so alpha is tuned several times along the chain) and the in-server invariant
-check (the policy's mirror equals SGLang's tree after every checkpoint and eviction). Tokens are
-compared with a ``--disable-radix-cache`` server on sampled turns. About 4 minutes on 2 cores.
+short tuning window with re-tuning on (so every window snapshots the tree and alpha is tuned
+several times along the chain) and the in-server invariant check (the policy's mirror equals
+SGLang's tree after every checkpoint and eviction). Tokens are compared with a
+``--disable-radix-cache`` server on sampled turns. About 4 minutes on 2 cores.
 The full-size soak (2,000 turns; 20 x 300 interleaved turns) is ``python -m benchmarks.long_sessions``.
 """
 
@@ -53,7 +54,12 @@ def _server(model_dir: Path, extra: list[str], env: dict | None = None) -> SGLan
 
 
 def test_long_and_interleaved_sessions_default_options(model_dir: Path) -> None:
-    env = {"SGLANG_SPARSE_TUNE_WINDOW": "20", "SGLANG_SPARSE_CHECK_INVARIANTS": "1"}
+    # re-tuning on, so every window snapshots SGLang's tree (by default alpha is tuned once)
+    env = {
+        "SGLANG_SPARSE_TUNE_WINDOW": "20",
+        "SGLANG_SPARSE_RETUNE": "1",
+        "SGLANG_SPARSE_CHECK_INVARIANTS": "1",
+    }
     with _server(model_dir, ["--radix-cache-backend", "sparse"], env) as srv:
         chain = run_sessions(lambda p, n: srv.generate(p, n), sessions=1, turns=TURNS, seed=1)
         assert srv.alive(), srv.log_tail()
