@@ -11,6 +11,10 @@ never overwrite the committed full results). Stages:
 * ``serving``   - the real SGLang server on the CPU with ``--radix-cache-backend sparse`` vs the
   native cache: TTFT and token equality on trace slices (benchmarks/serving.py; always its small
   ``--quick`` size here, run ``python -m benchmarks.serving`` for the full one)
+* ``serving_load`` - the same servers under load from SGLang's own benchmark client (Poisson
+  arrivals), all configurations up at once and interleaved over 3 repetitions: throughput,
+  TTFT/ITL percentiles and ratios vs native with their spread (benchmarks/serving_load.py; always
+  its ``--quick`` size here, about 6 min; ``python -m benchmarks.serving_load`` is the ~60 min run)
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 
 from ._common import REPO
 
-STAGES = ("traces", "placement", "sim", "serving")
+STAGES = ("traces", "placement", "sim", "serving", "serving_load")
 
 
 def run_stage(name: str, quick: bool) -> None:
@@ -43,6 +47,7 @@ def run_stage(name: str, quick: bool) -> None:
         "placement": "benchmarks.placement",
         "sim": "benchmarks.sim_compare",
         "serving": "benchmarks.serving",
+        "serving_load": "benchmarks.serving_load",
     }[name]
     try:
         mod = importlib.import_module(module)
@@ -51,7 +56,7 @@ def run_stage(name: str, quick: bool) -> None:
             print(f"[benchmarks] stage {name!r} is not available yet ({module} missing); skipped")
             return
         raise
-    rc = mod.main(["--quick"] if quick or name == "serving" else [])
+    rc = mod.main(["--quick"] if quick or name in ("serving", "serving_load") else [])
     if rc:
         raise SystemExit(rc)
 

@@ -1,0 +1,1259 @@
+"""Serving comparisons under real load, with SGLang's own benchmark client (issue 12).
+
+Every cache configuration runs as its own real SGLang server on the CPU, all at the same time on
+different loopback ports (the random-weight tiny hybrid Qwen3-Next of
+:mod:`sglang_sparse.models.tiny`, with its word-level tokenizer):
+
+* ``native``  - SGLang's own radix cache (``no_buffer`` Mamba strategy: a state at chunk ends);
+* ``sparse``  - ``--radix-cache-backend sparse``, ``SGLANG_SPARSE_POLICY=sparse``;
+* ``lru``, ``marconi`` - the same backend with ``SGLANG_SPARSE_POLICY=lru`` / ``marconi``;
+* ``nocache`` - ``--disable-radix-cache`` (the reference for token equality).
+
+Server flags on top of :data:`sglang_sparse.testing.server.CPU_SERVER_ARGS`: the tokenizer is on
+(no ``--skip-tokenizer-init``; the client sends text and times streamed text), ``--sleep-on-idle``
+(measured: an idle CPU server otherwise spins a core, 20.2 CPU-seconds in 20 s idle vs 0.44 s, which
+would steal one of the two cores from the server under test), ``--chunked-prefill-size
+--chunk``, a chat template, and the per-workload pool sizes below.
+
+Load comes from SGLang's client (``sglang.benchmark.serving``, via :mod:`benchmarks.bench_client`,
+one persistent client process): Poisson arrivals at each ``--rates`` value plus one run capped at
+``--max-concurrency`` requests in flight (rate ``inf``). The client measures request and output
+throughput, TTFT p50/p95/p99 and ITL p50/p95 (all in its own units: req/s, tok/s, ms).
+
+Workloads (traces from ``python -m sglang_sparse.traces build all --out traces/build``):
+
+* ``doc_qa``, ``system_prompts``, ``rag``: single-turn requests sharing prefixes, the first
+  ``--requests`` of each trace shrunk by :func:`benchmarks.serving.load_requests` (median prompt
+  ``--target-len`` tokens, last 48 tokens verbatim), exported as the client's ``custom`` dataset
+  (word-level text that the tiny tokenizer maps back to exactly those ids). The client shuffles
+  custom rows with ``--seed``; the file is written in the inverse order, so requests arrive in trace
+  order (checked per run from the prompt lengths the server reports).
+* ``agent``: the first ``--agent-sessions`` SWE-agent sessions, ``--agent-turns`` turns each, as
+  the client's ``agentic-trace`` dataset (chat backend): each turn sends only its new tokens and the
+  client replays a session turn by turn, each prompt = previous prompt + the server's real reply +
+  the new message. Every turn's new tokens are shrunk by the same stride (chosen so the median last
+  prompt is about ``--agent-target-len`` tokens), so the extends-the-last structure is exact. The
+  servers get a chat template that joins message contents with spaces
+  (:data:`benchmarks.bench_client.WORD_CHAT_TEMPLATE`). Rates for this workload are sessions/s
+  (``--agent-rates``).
+
+Pools are sized per workload so the cache is under contention: the *unique-prefix footprint* is the
+number of distinct tokens of all sequences the cache would hold (prompts plus outputs; the size of
+their radix tree), the *reuse points* the distinct depths at which a later request reuses an
+earlier sequence (the states a perfect cache needs). ``--max-total-tokens`` =
+max(``--pool-fraction`` x footprint, 2 x the longest sequence); ``--max-mamba-cache-size`` =
+3 x ``--min-running`` working slots (SGLang caps running requests at pool/3) + ``--pool-fraction`` x
+reuse points. The JSON records both pools and the fractions they really are.
+
+Repetitions are interleaved: per workload every server is started once; each repetition runs
+every rate point against every configuration in a rotated order (offset = repetition + rate index),
+flushing the cache before each run. Per cell the JSON/tables give the median and the spread
+(min-max by default, ``--spread iqr``) over repetitions; ratios vs ``--baselines`` are computed per
+repetition (paired: same arrivals, same background load window) and summarised the same way. A
+ratio is claimed only when its spread excludes 1, else it is printed with "n.s.". With n
+repetitions, all n paired ratios on one side of 1 has probability 2^(1-n) under "no difference"
+(two-sided sign test: 0.25 for n=3, 0.0625 for n=5), recorded as ``sign_test_p``: 3 repetitions is
+a weak test, read the ratios with that in mind.
+
+Besides the client's numbers, per run: prompt, cached and prefilled tokens (per-request
+``cached_tokens`` from the server's ``meta_info``, ``--cache-report``), the sparse cache counters
+of the run (difference of ``/server_info`` statistics before/after; alpha carries over flushes, so
+repetitions of the sparse policies are not fully independent), and per workload the perfect-cache
+bound (fewest prefilled tokens any cache could reach: each prompt's longest common prefix with an
+earlier sequence reused, at least its last token computed).
+
+Token equality: the greedy outputs of every run are compared, request by request, with the
+``nocache`` run of the same rate point and repetition; ``nocache`` runs are also compared with each
+other. If any differ (concurrent batching on a CPU can change low bits and, rarely, a greedy token),
+or with ``--equality always``, a sequential greedy pass replays the workload one request at a time
+through :meth:`SGLangServer.generate` on every server (agent turns fed their own greedy outputs,
+special ids dropped as the chat round trip drops them) and compares token ids with ``nocache``:
+that pass separates a cache bug from batching effects.
+
+Outputs: ``benchmarks/results/serving_load.json`` and ``serving_load.png`` (TTFT p50, TTFT p95 and
+request throughput vs request rate per policy, one column per workload); ``--quick`` writes to
+``benchmarks/results/quick/``. Server logs and datasets go to ``--work-dir``.
+
+Commands::
+
+    python -m benchmarks.serving_load --quick   # README main job: doc_qa, 16 requests at 4/s and
+                                                # capped at 4 in flight; native/sparse/lru/nocache;
+                                                # 3 repetitions; 4 min (quiet) to ~6 min (shared)
+    python -m benchmarks.serving_load           # the documented full run (~50-60 min on 2 cores):
+    # = --workloads doc_qa,system_prompts,rag,agent --configs native,sparse,lru,marconi,nocache
+    #   --reps 3 --requests 24 --rates 2,4,8 --agent-sessions 6 --agent-turns 8
+    #   --agent-rates 0.5,1,2 --max-concurrency 4
+
+Flags (all in ``--help``): ``--quick``, ``--workloads``, ``--configs``, ``--baselines``, ``--reps``,
+``--requests``, ``--target-len``, ``--output-len``, ``--agent-sessions``, ``--agent-turns``,
+``--agent-target-len``, ``--rates``, ``--agent-rates``, ``--max-concurrency``, ``--pool-fraction``,
+``--min-running``, ``--chunk``, ``--spread``, ``--equality``, ``--seed``, ``--size``,
+``--model-dir``, ``--work-dir``, ``--out``, ``--client-timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import math
+import random
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python benchmarks/serving_load.py` as well as `-m`
+    sys.path.insert(0, str(ROOT))
+
+TRACES = ROOT / "traces" / "build"
+
+#: configuration name -> (extra server flags, extra environment)
+CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "native": ((), {}),
+    "sparse": (("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "sparse"}),
+    "lru": (("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "lru"}),
+    "marconi": (("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "marconi"}),
+    "nocache": (("--disable-radix-cache",), {}),
+}
+SPARSE_BACKEND = ("sparse", "lru", "marconi")
+WORKLOADS = ("doc_qa", "system_prompts", "rag", "agent")
+DATASET = {"doc_qa": "custom", "system_prompts": "custom", "rag": "custom", "agent": "agentic-trace"}
+
+#: client metric key -> (label, unit, higher is better)
+METRICS: dict[str, tuple[str, str, bool]] = {
+    "request_throughput": ("req/s", "req/s", True),
+    "output_throughput": ("out tok/s", "tok/s", True),
+    "median_ttft_ms": ("TTFT p50", "ms", False),
+    "p95_ttft_ms": ("TTFT p95", "ms", False),
+    "p99_ttft_ms": ("TTFT p99", "ms", False),
+    "median_itl_ms": ("ITL p50", "ms", False),
+    "p95_itl_ms": ("ITL p95", "ms", False),
+}
+#: token counts per run (sums over the run's requests)
+TOKEN_KEYS = ("prompt_tokens", "cached_tokens", "prefilled_tokens")
+
+#: sparse-cache counters reported per run as the difference of /server_info before and after
+SPARSE_COUNTERS = (
+    "requests",
+    "finished",
+    "hit_requests",
+    "input_tokens",
+    "resume_tokens",
+    "kv_hit_tokens",
+    "ckpt_admitted",
+    "ckpt_rejected",
+    "ckpt_final",
+    "states_inserted",
+    "states_evicted",
+    "kv_leaves_evicted",
+    "eviction_walks",
+    "kv_eviction_walks",
+    "unscored_evictions",
+    "mirror_errors",
+    "captures_published",
+    "captures_dropped",
+    "invariant_violations",
+)
+#: sparse-cache gauges reported as read after each run
+SPARSE_GAUGES = ("alpha", "states_held", "kv_tokens_held", "mamba_pool_size", "kv_pool_size")
+
+#: resident memory of one tiny-model CPU server (4 processes), measured: 1.95 GB
+SERVER_RSS_GB = 2.1
+
+FULL_DEFAULTS: dict[str, Any] = dict(
+    workloads="doc_qa,system_prompts,rag,agent",
+    configs="native,sparse,lru,marconi,nocache",
+    reps=3,
+    requests=24,
+    rates="2,4,8",
+    agent_rates="0.5,1,2",
+    max_concurrency=4,
+    agent_sessions=6,
+    agent_turns=8,
+)
+QUICK_DEFAULTS: dict[str, Any] = dict(
+    workloads="doc_qa",
+    configs="native,sparse,lru,nocache",
+    reps=3,
+    requests=16,
+    rates="4",
+    agent_rates="1",
+    max_concurrency=4,
+    agent_sessions=3,
+    agent_turns=6,
+)
+
+
+# ----------------------------------------------------------------------------- statistics
+@dataclass(frozen=True)
+class Spread:
+    """Median and spread of repeated measurements (units of the measurement)."""
+
+    median: float
+    lo: float
+    hi: float
+    n: int
+    kind: str = "minmax"
+
+    def excludes(self, x: float) -> bool:
+        """True when ``x`` lies outside ``[lo, hi]``."""
+        return self.lo > x or self.hi < x
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"median": self.median, "lo": self.lo, "hi": self.hi, "n": self.n, "kind": self.kind}
+
+
+def _finite(values: Sequence[float | int | None]) -> list[float]:
+    out = []
+    for v in values:
+        if v is None:
+            continue
+        f = float(v)
+        if math.isfinite(f):
+            out.append(f)
+    return out
+
+
+def spread(values: Sequence[float | int | None], kind: str = "minmax") -> Spread | None:
+    """Median and spread of ``values`` (None/NaN/inf dropped; None when nothing is left).
+
+    ``kind``: ``minmax`` (lo = min, hi = max) or ``iqr`` (25th/75th percentiles, inclusive method:
+    for n <= 2 the same as min-max).
+    """
+    if kind not in ("minmax", "iqr"):
+        raise ValueError(f"unknown spread kind {kind!r}; expected minmax or iqr")
+    vals = sorted(_finite(values))
+    if not vals:
+        return None
+    med = statistics.median(vals)
+    if kind == "minmax" or len(vals) < 3:
+        lo, hi = vals[0], vals[-1]
+    else:
+        q = statistics.quantiles(vals, n=4, method="inclusive")
+        lo, hi = q[0], q[2]
+    return Spread(med, lo, hi, len(vals), kind)
+
+
+def paired_ratios(num: Sequence[float | None], den: Sequence[float | None]) -> list[float]:
+    """Per-repetition ratios ``num[i] / den[i]`` where both are finite and ``den[i] > 0``."""
+    if len(num) != len(den):
+        raise ValueError(f"paired values need equal lengths, got {len(num)} and {len(den)}")
+    out = []
+    for a, b in zip(num, den, strict=True):
+        if a is None or b is None:
+            continue
+        fa, fb = float(a), float(b)
+        if math.isfinite(fa) and math.isfinite(fb) and fb > 0:
+            out.append(fa / fb)
+    return out
+
+
+def ratio_spread(
+    num: Sequence[float | None], den: Sequence[float | None], kind: str = "minmax"
+) -> Spread | None:
+    """:func:`spread` of the per-repetition ratios (see :func:`paired_ratios`)."""
+    return spread(paired_ratios(num, den), kind)
+
+
+def claim(s: Spread | None) -> str:
+    """``"higher"`` / ``"lower"`` when the ratio spread lies entirely above / below 1, else
+    ``"n.s."`` (also for a single repetition or no data: one value is no spread)."""
+    if s is None or s.n < 2 or not s.excludes(1.0):
+        return "n.s."
+    return "higher" if s.lo > 1.0 else "lower"
+
+
+def sign_test_p(n: int) -> float:
+    """Two-sided sign-test probability that ``n`` paired ratios all fall on one side of 1 when
+    neither side is favoured: ``2 ** (1 - n)`` (1.0 for n <= 1)."""
+    return 1.0 if n <= 1 else 2.0 ** (1 - n)
+
+
+def fmt_num(x: float) -> str:
+    """A compact number: no decimals from 100, one from 10, else 3 significant digits."""
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.3g}"
+
+
+def fmt_spread(s: Spread | None) -> str:
+    """``median [lo-hi]`` (see :func:`fmt_num`), ``-`` for no data."""
+    if s is None:
+        return "-"
+    return f"{fmt_num(s.median)} [{fmt_num(s.lo)}-{fmt_num(s.hi)}]"
+
+
+def fmt_ratio(s: Spread | None) -> str:
+    """``0.62x [0.55-0.70]``, suffixed ``n.s.`` when the spread does not exclude 1 (three decimals
+    when two would print a claimed spread as touching 1.00)."""
+    if s is None:
+        return "-"
+    d = 2
+    if claim(s) != "n.s." and "1.00" in (f"{s.lo:.2f}", f"{s.hi:.2f}"):
+        d = 3
+    text = f"{s.median:.{d}f}x [{s.lo:.{d}f}-{s.hi:.{d}f}]"
+    return text if claim(s) != "n.s." else text + " n.s."
+
+
+def rotated(names: Sequence[str], offset: int) -> list[str]:
+    """``names`` rotated left by ``offset`` (mod its length)."""
+    if not names:
+        return []
+    k = offset % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def text_mismatches(texts: Sequence[str], ref: Sequence[str]) -> int:
+    """Requests whose generated text (as whitespace-split words) differs from ``ref``'s, position
+    by position; a length difference counts as mismatches too."""
+    n = sum(a.split() != b.split() for a, b in zip(texts, ref, strict=False))
+    return n + abs(len(texts) - len(ref))
+
+
+# ----------------------------------------------------------------------------- workloads
+@dataclass
+class Workload:
+    """One workload shrunk to CPU size, with its dataset file and cache accounting (tokens)."""
+
+    name: str
+    dataset: str  # client --dataset-name: custom | agentic-trace
+    path: Path
+    rows: int  # client --num-prompts: requests (custom) or sessions (agentic-trace)
+    output_len: int  # tokens generated per request / turn
+    prompts: list[list[int]]  # custom: prompts in arrival order
+    sessions: list[list[list[int]]] = field(default_factory=list)  # agent: per-turn new tokens
+    accounting: dict[str, int] = field(default_factory=dict)
+    expected_input_lens: list[int] = field(default_factory=list)  # per request, client order
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> int:
+        """Requests the client sends (turns for the agent workload)."""
+        return len(self.expected_input_lens)
+
+
+def client_file_order(n: int, seed: int) -> list[int]:
+    """Positions at which to write ``n`` custom rows so the client, after its
+    ``random.seed(seed); random.shuffle(rows)``, sends them in the original order: row ``i``
+    goes to line ``order[i]``."""
+    idx = list(range(n))
+    random.Random(seed).shuffle(idx)  # the client's shuffle: shuffled[i] = file[idx[i]]
+    return idx
+
+
+def prefix_accounting(prompts: Sequence[Sequence[int]], seqs: Sequence[Sequence[int]]) -> dict[str, int]:
+    """Cache accounting of a workload whose request ``i`` has prompt ``prompts[i]`` and leaves
+    ``seqs[i]`` (prompt + output) in the cache, in arrival order.
+
+    Returns (all in tokens, except ``reuse_points``): ``prompt_tokens``; ``footprint_tokens`` (the
+    distinct tokens of all ``seqs``: the size of their radix tree, what an unbounded cache holds);
+    ``reuse_points`` (distinct prefixes at which a prompt reuses an earlier sequence: the states a
+    perfect hybrid cache needs); ``perfect_prefilled`` (each prompt minus its longest common prefix
+    with an earlier sequence, at least one token: no cache prefills fewer); ``max_seq``.
+    For single-turn prompts with unique outputs ``perfect_prefilled`` equals
+    :func:`benchmarks.serving.ideal_prefilled`; for multi-turn sessions it also reuses the previous
+    turn's output, which ``ideal_prefilled`` (prompts only) does not.
+    """
+    from sglang_sparse.tree import RadixTree
+
+    if len(prompts) != len(seqs):
+        raise ValueError("one cached sequence per prompt")
+    tree = RadixTree(1, 1)
+    footprint = perfect = 0
+    points: set[tuple[int, ...]] = set()
+    for p, s in zip(prompts, seqs, strict=True):
+        m = tree.match(list(p)).kv_depth
+        perfect += len(p) - min(m, len(p) - 1)
+        if m > 0:
+            points.add(tuple(p[:m]))
+        footprint += len(s) - tree.match(list(s)).kv_depth
+        tree.insert(list(s))
+    return {
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "footprint_tokens": footprint,
+        "reuse_points": len(points),
+        "perfect_prefilled": perfect,
+        "max_seq": max((len(s) for s in seqs), default=0),
+    }
+
+
+def size_pools(acc: dict[str, int], fraction: float, min_running: int) -> dict[str, Any]:
+    """``--max-total-tokens`` / ``--max-mamba-cache-size`` for a workload (see the module docstring)
+    and the fractions of the footprint they hold."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"pool fraction must be in (0, 1], got {fraction}")
+    kv_floor = 2 * acc["max_seq"]
+    kv = max(math.ceil(fraction * acc["footprint_tokens"]), kv_floor)
+    cached_states = max(1, math.ceil(fraction * acc["reuse_points"]))
+    working = 3 * min_running
+    return {
+        "target_fraction": fraction,
+        "max_total_tokens": kv,
+        "kv_fraction": kv / max(acc["footprint_tokens"], 1),
+        "kv_floor_applied": kv == kv_floor and kv_floor > fraction * acc["footprint_tokens"],
+        "max_mamba_cache_size": working + cached_states,
+        "state_working_slots": working,
+        "state_fraction": cached_states / max(acc["reuse_points"], 1),
+        "max_running_requests": (working + cached_states) // 3,
+    }
+
+
+def _write_custom(name: str, prompts: list[list[int]], seed: int, path: Path) -> None:
+    from sglang_sparse.traces.export import to_custom_rows
+    from sglang_sparse.traces.schema import Request
+
+    reqs = [Request.make(f"{name}-{i}", 0, float(i), p, (4, 4)) for i, p in enumerate(prompts)]
+    rows = to_custom_rows(reqs)  # ids are already remapped into the vocabulary
+    lines: list[str] = [""] * len(rows)
+    for i, pos in enumerate(client_file_order(len(rows), seed)):
+        lines[pos] = json.dumps(rows[i], separators=(",", ":"))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def build_custom(
+    name: str, n: int, *, target_len: int, output_len: int, context: int, vocab: int, seed: int, work: Path
+) -> Workload:
+    """A single-turn workload: the first ``n`` requests of ``traces/build/<name>.jsonl``, shrunk."""
+    from benchmarks.serving import load_requests
+
+    prompts = load_requests(
+        name, n, target=target_len, tail=48, max_len=context - output_len - 8, vocab=vocab
+    )
+    path = work / f"{name}.custom.jsonl"
+    _write_custom(name, prompts, seed, path)
+    outs = [[-(i + 1)] * output_len for i in range(len(prompts))]  # unique, never shared
+    acc = prefix_accounting(prompts, [p + o for p, o in zip(prompts, outs, strict=True)])
+    return Workload(
+        name=name,
+        dataset="custom",
+        path=path,
+        rows=len(prompts),
+        output_len=output_len,
+        prompts=prompts,
+        accounting=acc,
+        expected_input_lens=[len(p) for p in prompts],
+        meta={"shrink": {"target_len": target_len, "tail": 48}, "lengths": [len(p) for p in prompts]},
+    )
+
+
+def build_agent(
+    sessions: int,
+    turns: int,
+    *,
+    target_len: int,
+    output_len: int,
+    context: int,
+    vocab: int,
+    work: Path,
+) -> Workload:
+    """The first ``sessions`` sessions of ``traces/build/agent.jsonl``, ``turns`` turns each; every
+    turn's new tokens shrunk by one stride (see the module docstring)."""
+    from benchmarks.serving import shrink
+    from sglang_sparse.traces.export import _sessions, to_agentic, turn_deltas
+    from sglang_sparse.traces.schema import Request, read_trace
+
+    path = TRACES / "agent.jsonl"
+    if not path.exists():
+        raise SystemExit(f"error: {path} missing; run `python -m sglang_sparse.traces build all`")
+    groups = [g[:turns] for g in _sessions(read_trace(path))[:sessions]]
+    finals = sorted(len(g[-1].input_tokens) for g in groups)
+    stride = max(1, -(-finals[len(finals) // 2] // target_len))
+    limit = context - output_len - 8
+    shrunk: list[list[list[int]]] = []
+    for g in groups:
+        deltas, total = [], 0
+        for d in turn_deltas(g):
+            s = shrink(list(d), stride=stride, tail=min(8, len(d)), max_len=10**9, vocab=vocab) or [4]
+            if total + len(s) > limit:
+                break
+            deltas.append(s)
+            total += len(s) + output_len
+        shrunk.append(deltas)
+    # Export through the project's exporter: synthetic requests whose turn deltas are exactly ours.
+    reqs, prompts, seqs, lens = [], [], [], []
+    for si, deltas in enumerate(shrunk):
+        prev: list[int] = []
+        acc_prev: list[int] = []
+        for ti, d in enumerate(deltas):
+            inp = prev + d
+            reqs.append(Request.make(f"s{si}", ti, float(ti), inp, [4] * output_len))
+            prev = inp + [4] * output_len
+            prompt = acc_prev + d  # accounting: unique placeholder outputs, never shared
+            out = [-(si * 1000 + ti + 1)] * output_len
+            prompts.append(prompt)
+            seqs.append(prompt + out)
+            lens.append(len(prompt))
+            acc_prev = prompt + out
+    doc = to_agentic(reqs, name="agent-shrunk")
+    doc["metadata"].update(stride=stride, output_len=output_len)
+    out_path = work / "agent.agentic.json"
+    out_path.write_text(json.dumps(doc), encoding="utf-8")
+    return Workload(
+        name="agent",
+        dataset="agentic-trace",
+        path=out_path,
+        rows=len(shrunk),
+        output_len=output_len,
+        prompts=prompts,
+        sessions=shrunk,
+        accounting=prefix_accounting(prompts, seqs),
+        expected_input_lens=lens,
+        meta={
+            "shrink": {"stride": stride, "target_len": target_len},
+            "turns_per_session": [len(d) for d in shrunk],
+            "lengths": lens,
+        },
+    )
+
+
+# ----------------------------------------------------------------------------- servers
+def mem_available_gb() -> float:
+    """``MemAvailable`` of ``/proc/meminfo`` in GB (inf where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    return math.inf
+
+
+def server_args(config: str, chunk: int, chat_template: Path) -> list[str]:
+    """Extra server flags of ``config`` on top of the CPU defaults (tokenizer on, sleep on idle)."""
+    flags, _ = CONFIGS[config]
+    return [
+        "--sleep-on-idle",
+        "--chat-template",
+        str(chat_template),
+        "--chunked-prefill-size",
+        str(chunk),
+        *flags,
+    ]
+
+
+def start_servers(
+    model_dir: Path,
+    configs: Sequence[str],
+    pools: dict[str, Any],
+    *,
+    chunk: int,
+    context: int,
+    chat_template: Path,
+    log_dir: Path,
+    tag: str,
+) -> dict[str, Any]:
+    """Start one server per configuration, concurrently; all or none (stops the started ones)."""
+    from sglang_sparse.testing.server import CPU_SERVER_ARGS, SGLangServer
+
+    need = len(configs) * SERVER_RSS_GB + 1.0
+    avail = mem_available_gb()
+    if avail < need:
+        raise SystemExit(
+            f"error: {len(configs)} servers need ~{need:.0f} GB, {avail:.1f} GB available; "
+            "pass fewer --configs"
+        )
+    base = [a for a in CPU_SERVER_ARGS if a != "--skip-tokenizer-init"]
+    servers = {
+        c: SGLangServer(
+            model_dir,
+            extra_args=server_args(c, chunk, chat_template),
+            env={"SGLANG_SPARSE_LOG_EVERY": "0", **CONFIGS[c][1]},
+            base_args=base,
+            max_total_tokens=pools["max_total_tokens"],
+            max_mamba_cache_size=pools["max_mamba_cache_size"],
+            context_length=context,
+            log_path=log_dir / f"{tag}_{c}.log",
+        )
+        for c in configs
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as ex:
+        futs = {c: ex.submit(s.start, 900.0) for c, s in servers.items()}
+        errors = []
+        for c, f in futs.items():
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001 - reported below with every failure
+                errors.append(f"{c}: {exc}")
+    if errors:
+        for s in servers.values():
+            s.stop()
+        raise RuntimeError("server start failed:\n" + "\n".join(errors))
+    return servers
+
+
+def flush(srv: Any, tries: int = 20) -> None:
+    """``/flush_cache`` until it succeeds (SGLang refuses while requests run); raises after
+    ``tries`` attempts 0.5 s apart."""
+    for _ in range(tries):
+        if srv.flush_cache():
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"/flush_cache kept failing on {srv.url}")
+
+
+def sparse_snapshot(srv: Any) -> dict[str, Any]:
+    """The sparse cache statistics of rank 0 once nothing is protected (empty dict on failure)."""
+    try:
+        return srv.wait_sparse_idle(timeout=30)
+    except Exception:  # noqa: BLE001 - statistics are optional for a run
+        return {}
+
+
+def sparse_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Counters of :data:`SPARSE_COUNTERS` as ``after - before`` plus :data:`SPARSE_GAUGES` read
+    after (keys missing from the statistics are skipped)."""
+    out: dict[str, Any] = {}
+    for k in SPARSE_COUNTERS:
+        if isinstance(after.get(k), int | float):
+            out[k] = after[k] - (before.get(k) or 0)
+    for k in SPARSE_GAUGES:
+        if k in after:
+            out[k] = after[k]
+    return out
+
+
+# ----------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class RatePoint:
+    """One load level: Poisson ``rate`` (requests or sessions per second, inf = all at once) and
+    an optional cap on requests in flight."""
+
+    label: str
+    rate: float
+    max_concurrency: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "request_rate": self.rate, "max_concurrency": self.max_concurrency}
+
+
+def rate_points(rates: Sequence[float], max_concurrency: int | None) -> list[RatePoint]:
+    """The Poisson rates, then the concurrency-capped point (rate inf) when ``max_concurrency``."""
+    pts = [RatePoint(f"{r:g}/s", float(r)) for r in rates]
+    if max_concurrency:
+        pts.append(RatePoint(f"cap{max_concurrency}", math.inf, int(max_concurrency)))
+    return pts
+
+
+def run_one(
+    worker: Any,
+    srv: Any,
+    config: str,
+    wl: Workload,
+    rp: RatePoint,
+    *,
+    model_dir: Path,
+    seed: int,
+    out_file: Path,
+    timeout: float,
+) -> dict[str, Any]:
+    """Flush ``srv``, run the client once, return the run record (metrics, tokens, texts)."""
+    flush(srv)
+    before = sparse_snapshot(srv) if config in SPARSE_BACKEND else {}
+    t0 = time.perf_counter()
+    row = worker.run(
+        out_file,
+        timeout=timeout,
+        base_url=srv.url,
+        dataset_name=wl.dataset,
+        dataset_path=wl.path,
+        tokenizer=model_dir,
+        num_prompts=wl.rows,
+        request_rate=rp.rate,
+        max_concurrency=rp.max_concurrency,
+        output_len=wl.output_len,
+        seed=seed,
+        extra=["--output-details", "--cache-report", "--warmup-requests", "0"],
+    )
+    wall = time.perf_counter() - t0
+    after = sparse_snapshot(srv) if config in SPARSE_BACKEND else {}
+    lens = [int(x) for x in row.get("input_lens") or []]
+    cached = [int(x or 0) for x in row.get("cached_tokens") or []]
+    rec: dict[str, Any] = {k: row.get(k) for k in METRICS}
+    rec.update(
+        completed=row.get("completed"),
+        duration_s=row.get("duration"),
+        wall_s=wall,
+        prompt_tokens=sum(lens),
+        cached_tokens=sum(cached),
+        prefilled_tokens=sum(lens) - sum(cached),
+        order_mismatches=sum(a != b for a, b in zip(lens, wl.expected_input_lens, strict=False))
+        + abs(len(lens) - len(wl.expected_input_lens)),
+        texts=list(row.get("generated_texts") or []),
+        per_request_cached=cached,
+    )
+    if config in SPARSE_BACKEND:
+        rec["sparse"] = sparse_delta(before, after)
+    return rec
+
+
+def sequential_outputs(srv: Any, wl: Workload) -> list[list[int]]:
+    """Greedy outputs of ``wl`` replayed one request at a time (flushed first). Agent sessions are
+    replayed turn by turn, each prompt = previous prompt + previous output (ids < 4, the special
+    tokens, dropped as the chat round trip drops them) + the turn's new tokens."""
+    flush(srv)
+    outs: list[list[int]] = []
+    if not wl.sessions:
+        for p in wl.prompts:
+            outs.append(srv.generate(p, wl.output_len).output_ids)
+        return outs
+    for deltas in wl.sessions:
+        prompt: list[int] = []
+        for d in deltas:
+            prompt = prompt + d
+            ids = srv.generate(prompt, wl.output_len).output_ids
+            outs.append(ids)
+            prompt = prompt + [t for t in ids if t >= 4]
+    return outs
+
+
+# ----------------------------------------------------------------------------- summaries
+def summarize_workload(
+    runs: list[dict[str, Any]],
+    configs: Sequence[str],
+    baselines: Sequence[str],
+    points: Sequence[RatePoint],
+    reps: int,
+    kind: str,
+) -> dict[str, Any]:
+    """Per rate point: each configuration's median/spread of :data:`METRICS` and
+    :data:`TOKEN_KEYS` over repetitions, and paired ratios: every configuration vs the first
+    baseline present, ``sparse`` (the subject) vs each further one."""
+    by = {(r["rate"], r["config"], r["rep"]): r for r in runs}
+    present = [b for b in baselines if b in configs]
+    out: dict[str, Any] = {}
+    for rp in points:
+
+        def series(c: str, key: str, rp: RatePoint = rp) -> list[float | None]:
+            return [by[(rp.label, c, i)].get(key) if (rp.label, c, i) in by else None for i in range(reps)]
+
+        cells: dict[str, Any] = {}
+        for c in configs:
+            cells[c] = {}
+            for key in (*METRICS, *TOKEN_KEYS):
+                s = spread(series(c, key), kind)
+                cells[c][key] = {**s.as_dict(), "values": series(c, key)} if s else None
+        ratios: dict[str, Any] = {}
+        for bi, b in enumerate(present):
+            ratios[b] = {}
+            for c in configs:
+                if c == b or (bi > 0 and c != "sparse"):
+                    continue
+                ratios[b][c] = {}
+                for key in (*METRICS, "prefilled_tokens"):
+                    per_rep = paired_ratios(series(c, key), series(b, key))
+                    s = spread(per_rep, kind)
+                    ratios[b][c][key] = (
+                        {
+                            **s.as_dict(),
+                            "per_rep": per_rep,
+                            "claim": claim(s),
+                            "sign_test_p": sign_test_p(s.n),
+                        }
+                        if s
+                        else None
+                    )
+        out[rp.label] = {"point": rp.as_dict(), "configs": cells, "ratios": ratios}
+    return out
+
+
+def equality_summary(
+    runs: list[dict[str, Any]], configs: Sequence[str], points: Sequence[RatePoint], reps: int
+) -> dict[str, Any]:
+    """Load-run token equality: per configuration, requests whose output differs from the
+    ``nocache`` run of the same rate point and repetition; ``nocache_self``: nocache runs vs the
+    first repetition's (batching effects without any cache)."""
+    if "nocache" not in configs:
+        return {"reference": None, "note": "no nocache configuration: token equality not checked"}
+    by = {(r["rate"], r["config"], r["rep"]): r for r in runs}
+    per: dict[str, dict[str, int]] = {c: {"compared": 0, "mismatched": 0} for c in configs if c != "nocache"}
+    self_: dict[str, int] = {"compared": 0, "mismatched": 0}
+    for rp in points:
+        for i in range(reps):
+            ref = by.get((rp.label, "nocache", i))
+            if ref is None:
+                continue
+            for c in per:
+                r = by.get((rp.label, c, i))
+                if r is not None:
+                    per[c]["compared"] += len(ref["texts"])
+                    per[c]["mismatched"] += text_mismatches(r["texts"], ref["texts"])
+            first = by.get((rp.label, "nocache", 0))
+            if i > 0 and first is not None:
+                self_["compared"] += len(ref["texts"])
+                self_["mismatched"] += text_mismatches(ref["texts"], first["texts"])
+    clean = all(v["mismatched"] == 0 for v in per.values()) and self_["mismatched"] == 0
+    return {"reference": "nocache", "load": per, "nocache_self": self_, "all_equal": clean}
+
+
+# ----------------------------------------------------------------------------- output
+def _cell(ws: dict[str, Any], c: str, key: str) -> Spread | None:
+    d = ws["configs"][c].get(key)
+    return Spread(d["median"], d["lo"], d["hi"], d["n"], d["kind"]) if d else None
+
+
+def _ratio(ws: dict[str, Any], b: str, c: str, key: str) -> Spread | None:
+    d = ws["ratios"].get(b, {}).get(c, {}).get(key)
+    return Spread(d["median"], d["lo"], d["hi"], d["n"], d["kind"]) if d else None
+
+
+def print_workload(name: str, doc: dict[str, Any], configs: Sequence[str], baselines: Sequence[str]) -> None:
+    """Tables of one workload: cells (median [spread]) and ratios vs each baseline."""
+    from benchmarks._common import table
+
+    acc, pools = doc["accounting"], doc["pools"]
+    print(
+        f"\n== {name}: {doc['requests']} requests ({doc['dataset']}), footprint "
+        f"{acc['footprint_tokens']} tokens / {acc['reuse_points']} reuse points; pools "
+        f"{pools['max_total_tokens']} tokens ({pools['kv_fraction']:.0%}) / "
+        f"{pools['max_mamba_cache_size']} state slots ({pools['state_fraction']:.0%} of reuse points "
+        f"+ {pools['state_working_slots']} working); perfect cache prefills "
+        f"{acc['perfect_prefilled']} of {acc['prompt_tokens']} prompt tokens"
+    )
+    keys = (
+        "request_throughput",
+        "median_ttft_ms",
+        "p95_ttft_ms",
+        "p99_ttft_ms",
+        "median_itl_ms",
+        "p95_itl_ms",
+    )
+    for label, ws in doc["summary"].items():
+        rows = [[c, *(fmt_spread(_cell(ws, c, k)) for k in (*keys, "prefilled_tokens"))] for c in configs]
+        print(f"\n-- {name} @ {label} (median [min-max] over repetitions)")
+        print(table(rows, ["config", *(METRICS[k][0] for k in keys), "prefilled tok"]))
+        for b in baselines:
+            if b not in ws["ratios"]:
+                continue
+            others = [c for c in configs if c in ws["ratios"][b]]
+            rrows = [
+                [c, *(fmt_ratio(_ratio(ws, b, c, k)) for k in (*keys, "prefilled_tokens"))] for c in others
+            ]
+            if rrows:
+                print(f"   ratios vs {b} (per-repetition, n.s. = spread includes 1)")
+                print(table(rrows, ["config", *(METRICS[k][0] for k in keys), "prefilled tok"]))
+    eq = doc["equality"]
+    if eq.get("reference"):
+        parts = [f"{c} {v['mismatched']}/{v['compared']}" for c, v in eq["load"].items()]
+        ns = eq["nocache_self"]
+        print(
+            f"   token mismatches vs nocache under load: {', '.join(parts)}; nocache vs itself "
+            f"{ns['mismatched']}/{ns['compared']}"
+        )
+    seq = doc.get("sequential_equality")
+    if seq:
+        parts = [f"{c} {v['mismatched']}/{v['compared']}" for c, v in seq["configs"].items()]
+        print(f"   sequential greedy pass, mismatches vs nocache: {', '.join(parts)}")
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """TTFT p50, TTFT p95 and request throughput vs load point, one column per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wls = list(doc["workloads"])
+    rows = (
+        ("median_ttft_ms", "TTFT p50 (ms)"),
+        ("p95_ttft_ms", "TTFT p95 (ms)"),
+        ("request_throughput", "req/s"),
+    )
+    fig, axes = plt.subplots(len(rows), len(wls), figsize=(max(4.6 * len(wls), 7.0), 9), squeeze=False)
+    for j, w in enumerate(wls):
+        summ = doc["workloads"][w]["summary"]
+        labels = list(summ)
+        for i, (key, ylabel) in enumerate(rows):
+            ax = axes[i][j]
+            for k, c in enumerate(doc["configs"]):
+                xs, ys, lo, hi = [], [], [], []
+                for x, lab in enumerate(labels):
+                    d = summ[lab]["configs"][c].get(key)
+                    if d:
+                        xs.append(x + (k - (len(doc["configs"]) - 1) / 2) * 0.08)
+                        ys.append(d["median"])
+                        lo.append(d["median"] - d["lo"])
+                        hi.append(d["hi"] - d["median"])
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", ms=4, capsize=3, label=c)
+            ax.set_xticks(range(len(labels)), labels)
+            ax.set_xlim(-0.5, len(labels) - 0.5)
+            ax.set_ylabel(ylabel)
+            ys_all = [
+                summ[lab]["configs"][c][key]["hi"]
+                for lab in labels
+                for c in doc["configs"]
+                if summ[lab]["configs"][c].get(key)
+            ]
+            lo_all = [
+                summ[lab]["configs"][c][key]["lo"]
+                for lab in labels
+                for c in doc["configs"]
+                if summ[lab]["configs"][c].get(key)
+            ]
+            if key != "request_throughput" and lo_all and min(lo_all) > 0 and max(ys_all) / min(lo_all) > 20:
+                ax.set_yscale("log")
+            if i == 0:
+                ax.set_title(f"{w} ({doc['workloads'][w]['dataset']})")
+            if i == len(rows) - 1:
+                ax.set_xlabel("load (Poisson rate; capN = N in flight)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(
+        f"serving under load, median and min-max over {doc['reps']} interleaved repetitions", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- driver
+def run_load(
+    *,
+    workloads: Sequence[str],
+    configs: Sequence[str],
+    baselines: Sequence[str] = ("native", "lru", "marconi"),
+    reps: int = 3,
+    requests: int = 24,
+    target_len: int = 768,
+    output_len: int = 16,
+    agent_sessions: int = 6,
+    agent_turns: int = 8,
+    agent_target_len: int = 1024,
+    rates: Sequence[float] = (2.0, 4.0, 8.0),
+    agent_rates: Sequence[float] = (0.5, 1.0, 2.0),
+    max_concurrency: int | None = 4,
+    pool_fraction: float = 0.4,
+    min_running: int = 4,
+    chunk: int = 512,
+    spread_kind: str = "minmax",
+    equality: str = "auto",
+    seed: int = 0,
+    size: str = "tiny",
+    model_dir: Path | None = None,
+    work_dir: Path = Path("/tmp/sglang_sparse_serving_load"),
+    client_timeout: float = 1800.0,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the benchmark and return the JSON document (see the module docstring)."""
+    from benchmarks.bench_client import ClientWorker, write_word_chat_template
+    from sglang_sparse.models.tiny import SIZES, make_tiny_model
+
+    unknown = [c for c in configs if c not in CONFIGS] + [w for w in workloads if w not in DATASET]
+    if unknown:
+        raise SystemExit(f"error: unknown configs/workloads {unknown}")
+    if equality not in ("auto", "always", "never"):
+        raise SystemExit(f"error: --equality must be auto, always or never, got {equality!r}")
+    t_start = time.time()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = make_tiny_model(model_dir or work_dir / f"model_{size}", arch="qwen3_next", size=size, seed=0)
+    spec = SIZES[size]
+    context = spec.max_position_embeddings
+    chat_template = write_word_chat_template(work_dir / "word_chat_template.jinja")
+
+    wls: dict[str, Workload] = {}
+    for w in workloads:
+        if w == "agent":
+            wls[w] = build_agent(
+                agent_sessions,
+                agent_turns,
+                target_len=agent_target_len,
+                output_len=output_len,
+                context=context,
+                vocab=spec.vocab_size,
+                work=work_dir,
+            )
+        else:
+            wls[w] = build_custom(
+                w,
+                requests,
+                target_len=target_len,
+                output_len=output_len,
+                context=context,
+                vocab=spec.vocab_size,
+                seed=seed,
+                work=work_dir,
+            )
+    points = {w: rate_points(agent_rates if w == "agent" else rates, max_concurrency) for w in workloads}
+    total = sum(reps * len(points[w]) * len(configs) for w in workloads)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="serving_load", file=sys.stderr, dynamic_ncols=True)
+    doc: dict[str, Any] = {
+        "benchmark": "serving_load",
+        "client": "sglang.benchmark.serving (SGLang's bench_serving), persistent process",
+        "model": {"arch": "qwen3_next", "size": size, "path": str(model_dir), "context": context},
+        "configs": {c: {"server_flags": list(CONFIGS[c][0]), "env": CONFIGS[c][1]} for c in configs},
+        "server_common_flags": [
+            "--sleep-on-idle",
+            "--chat-template",
+            "<word template>",
+            "--chunked-prefill-size",
+            str(chunk),
+        ],
+        "baselines": [b for b in baselines if b in configs],
+        "reps": reps,
+        "seed": seed,
+        "output_len": output_len,
+        "spread": spread_kind,
+        "rotation": "configs rotated left by (repetition + rate index) per rate point",
+        "workloads": {},
+    }
+    try:
+        with ClientWorker() as worker:
+            worker.start()  # the client's import overlaps the first server start
+            for w in workloads:
+                wl = wls[w]
+                pools = size_pools(wl.accounting, pool_fraction, min_running)
+                t0 = time.time()
+                log(
+                    f"[serving_load] {w}: starting {len(configs)} servers "
+                    f"(KV {pools['max_total_tokens']} tokens, {pools['max_mamba_cache_size']} state slots)"
+                )
+                servers = start_servers(
+                    model_dir,
+                    configs,
+                    pools,
+                    chunk=chunk,
+                    context=context,
+                    chat_template=chat_template,
+                    log_dir=work_dir,
+                    tag=w,
+                )
+                startup = {c: s.startup_seconds for c, s in servers.items()}
+                for s in servers.values():  # first requests of a fresh server outside the measurement
+                    s.generate(wl.prompts[0], wl.output_len)
+                log(f"[serving_load] {w}: servers up in {time.time() - t0:.0f} s")
+                runs: list[dict[str, Any]] = []
+                try:
+                    for rep in range(reps):
+                        for ri, rp in enumerate(points[w]):
+                            for pos, c in enumerate(rotated(list(configs), rep + ri)):
+                                if bar is not None:
+                                    bar.set_postfix_str(f"{w} {rp.label} {c} rep{rep}")
+                                rec = run_one(
+                                    worker,
+                                    servers[c],
+                                    c,
+                                    wl,
+                                    rp,
+                                    model_dir=model_dir,
+                                    seed=seed,
+                                    out_file=work_dir / "client_out.jsonl",
+                                    timeout=client_timeout,
+                                )
+                                rec.update(rate=rp.label, config=c, rep=rep, position=pos)
+                                runs.append(rec)
+                                if not servers[c].alive():
+                                    raise RuntimeError(f"{c} server died:\n{servers[c].log_tail()}")
+                                if bar is not None:
+                                    bar.update(1)
+                    eq = equality_summary(runs, configs, points[w], reps)
+                    seq_eq = None
+                    if "nocache" in configs and (
+                        equality == "always"
+                        or (
+                            equality == "auto"
+                            and (not eq["all_equal"] or any(r["order_mismatches"] for r in runs))
+                        )
+                    ):
+                        log(f"[serving_load] {w}: sequential greedy equality pass")
+                        ref = sequential_outputs(servers["nocache"], wl)
+                        seq_eq = {"requests": len(ref), "configs": {}}
+                        for c in configs:
+                            if c == "nocache":
+                                continue
+                            got = sequential_outputs(servers[c], wl)
+                            seq_eq["configs"][c] = {
+                                "compared": len(ref),
+                                "mismatched": sum(a != b for a, b in zip(got, ref, strict=True)),
+                            }
+                finally:
+                    for s in servers.values():
+                        s.stop()
+                wdoc = {
+                    "dataset": wl.dataset,
+                    "dataset_path": str(wl.path),
+                    "rows": wl.rows,
+                    "requests": wl.requests,
+                    "output_len": wl.output_len,
+                    "accounting": wl.accounting,
+                    "perfect_cache": {
+                        "prefilled_tokens": wl.accounting["perfect_prefilled"],
+                        "prompt_tokens": wl.accounting["prompt_tokens"],
+                    },
+                    "pools": pools,
+                    "points": [rp.as_dict() for rp in points[w]],
+                    "server_startup_s": startup,
+                    "meta": wl.meta,
+                    "summary": summarize_workload(runs, configs, baselines, points[w], reps, spread_kind),
+                    "equality": eq,
+                    "sequential_equality": seq_eq,
+                    "runs": [_compact(r) for r in runs],
+                    "wall_s": time.time() - t0,
+                }
+                doc["workloads"][w] = wdoc
+    finally:
+        if bar is not None:
+            bar.close()
+    doc["wall_s"] = time.time() - t_start
+    return doc
+
+
+def _compact(run: dict[str, Any]) -> dict[str, Any]:
+    """A run record for the JSON: generated texts replaced by one digest (equal digests = equal
+    outputs; the comparisons themselves are in ``equality``), per-request cached tokens dropped
+    (their sum is ``cached_tokens``)."""
+    out = {k: v for k, v in run.items() if k not in ("texts", "per_request_cached")}
+    out["texts_sha1"] = hashlib.sha1("\x00".join(run["texts"]).encode()).hexdigest()[:16]
+    return out
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every flag is described in the module docstring too)."""
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving_load",
+        description=__doc__.split("\n\n")[0],
+        epilog="Full run: python -m benchmarks.serving_load  |  quick: --quick (see the module docstring)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="README main-job size (4-6 min): doc_qa; native,sparse,lru,nocache; 16 requests; "
+        "rate 4/s + cap 4; 3 repetitions; JSON/PNG under benchmarks/results/quick/",
+    )
+    ap.add_argument("--workloads", help=f"comma list of {','.join(WORKLOADS)} (full: all)")
+    ap.add_argument("--configs", help=f"comma list of {','.join(CONFIGS)} (full: all)")
+    ap.add_argument(
+        "--baselines", default="native,lru,marconi", help="ratio denominators (default %(default)s)"
+    )
+    ap.add_argument("--reps", type=int, help="interleaved repetitions per cell (default 3)")
+    ap.add_argument("--requests", type=int, help="requests per single-turn workload (full 24, quick 16)")
+    ap.add_argument(
+        "--target-len", type=int, default=768, help="median shrunk prompt, tokens (default %(default)s)"
+    )
+    ap.add_argument(
+        "--output-len", type=int, default=16, help="tokens generated per request/turn (default %(default)s)"
+    )
+    ap.add_argument("--agent-sessions", type=int, help="agent sessions (full 6, quick 3)")
+    ap.add_argument("--agent-turns", type=int, help="turns per agent session (full 8, quick 6)")
+    ap.add_argument(
+        "--agent-target-len",
+        type=int,
+        default=1024,
+        help="median last-turn agent prompt, tokens (default %(default)s)",
+    )
+    ap.add_argument("--rates", help="Poisson request rates, req/s, comma list (full 2,4,8; quick 4)")
+    ap.add_argument(
+        "--agent-rates", help="Poisson session rates for agent, sessions/s (full 0.5,1,2; quick 1)"
+    )
+    ap.add_argument(
+        "--max-concurrency",
+        type=int,
+        help="add a load point with all requests at once capped at N in flight (full and quick 4; 0 = none)",
+    )
+    ap.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.4,
+        help="pools hold this fraction of the unique-prefix footprint (default %(default)s)",
+    )
+    ap.add_argument(
+        "--min-running",
+        type=int,
+        default=4,
+        help="state working slots for N running requests (default %(default)s)",
+    )
+    ap.add_argument(
+        "--chunk", type=int, default=512, help="--chunked-prefill-size, tokens (default %(default)s)"
+    )
+    ap.add_argument("--spread", choices=("minmax", "iqr"), default="minmax", help="spread over repetitions")
+    ap.add_argument(
+        "--equality",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="sequential greedy equality pass: auto = only if load-run outputs differ (default)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="client seed: dataset order and Poisson arrivals")
+    ap.add_argument("--size", default="tiny", help="tiny-model size preset (default %(default)s)")
+    ap.add_argument("--model-dir", type=Path, help="model checkpoint dir (default <work-dir>/model_<size>)")
+    ap.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path("/tmp/sglang_sparse_serving_load"),
+        help="datasets, server logs, client output (default %(default)s)",
+    )
+    ap.add_argument(
+        "--out", type=Path, help="JSON path (default benchmarks/results[/quick]/serving_load.json)"
+    )
+    ap.add_argument("--client-timeout", type=float, default=1800.0, help="seconds per client run")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks._common import results_dir, write_json
+
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    d = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
+    for k, v in d.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    out = args.out or results_dir(args.quick) / "serving_load.json"
+    configs = [c for c in args.configs.split(",") if c]
+    baselines = [b for b in args.baselines.split(",") if b]
+    doc = run_load(
+        workloads=[w for w in args.workloads.split(",") if w],
+        configs=configs,
+        baselines=baselines,
+        reps=args.reps,
+        requests=args.requests,
+        target_len=args.target_len,
+        output_len=args.output_len,
+        agent_sessions=args.agent_sessions,
+        agent_turns=args.agent_turns,
+        agent_target_len=args.agent_target_len,
+        rates=_floats(args.rates),
+        agent_rates=_floats(args.agent_rates),
+        max_concurrency=args.max_concurrency or None,
+        pool_fraction=args.pool_fraction,
+        min_running=args.min_running,
+        chunk=args.chunk,
+        spread_kind=args.spread,
+        equality=args.equality,
+        seed=args.seed,
+        size=args.size,
+        model_dir=args.model_dir,
+        work_dir=args.work_dir,
+        client_timeout=args.client_timeout,
+    )
+    doc = {
+        "command": "python -m benchmarks.serving_load "
+        + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "quick": args.quick,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **doc,
+    }
+    path = write_json(out.stem, doc, out.parent)
+    plot(doc, out.with_suffix(".png"))
+    for name, wdoc in doc["workloads"].items():
+        print_workload(name, wdoc, configs, [b for b in baselines if b in configs])
+    print(f"\nwrote {path} and {out.with_suffix('.png')} in {doc['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
