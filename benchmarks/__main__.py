@@ -41,7 +41,9 @@ def run_stage(name: str, quick: bool) -> None:
             "--out",
             str(REPO / "traces" / "build"),
         ]
-        subprocess.run(cmd, check=True, cwd=REPO)
+        rc = subprocess.run(cmd, check=False, cwd=REPO).returncode
+        if rc:  # the builder printed why (e.g. where the data should be)
+            raise SystemExit(f"[benchmarks] stage 'traces' failed (exit {rc}); see the error above")
         return
     module = {
         "placement": "benchmarks.placement",

@@ -210,3 +210,26 @@ def test_check_row_rejects_non_measurements() -> None:
         check_row({**good, "errors": ["", "boom"]})
     with pytest.raises(RuntimeError, match="no request"):
         check_row({**good, "completed": 0})
+
+
+def test_ttft_vs_prefill_gap_is_paired_per_repetition() -> None:
+    pt = RatePoint("2/s", 2.0)
+    runs = []
+    # (sparse mean TTFT, sparse prefilled, lru mean TTFT, lru prefilled) per repetition
+    for rep, (st, sp, lt, lp) in enumerate(
+        [(50.0, 600, 100.0, 1000), (66.0, 600, 100.0, 1000), (30.0, 300, 60.0, 500)]
+    ):
+        a = _run("2/s", "sparse", rep, 1.0, ["x"])
+        b = _run("2/s", "lru", rep, 1.0, ["x"])
+        a.update(mean_ttft_ms=st, prefilled_tokens=sp)
+        b.update(mean_ttft_ms=lt, prefilled_tokens=lp)
+        runs += [a, b]
+    s = summarize_workload(runs, ["sparse", "lru"], ["lru"], [pt], 3, "minmax")
+    v = s["2/s"]["ttft_vs_prefill"]
+    assert set(v) == {"sparse/lru"}  # pairs whose configs are absent are skipped
+    g = v["sparse/lru"]
+    assert g["ttft_ratio"]["median"] == pytest.approx(0.5)
+    assert g["prefilled_ratio"]["median"] == pytest.approx(0.6)
+    # gaps: 0.5/0.6-1, 0.66/0.6-1, 0.5/0.6-1
+    assert g["gap"]["per_rep"] == pytest.approx([0.5 / 0.6 - 1, 0.1, 0.5 / 0.6 - 1])
+    assert g["gap"]["hi"] == pytest.approx(0.1) and g["gap"]["median"] == pytest.approx(0.5 / 0.6 - 1)
