@@ -7,20 +7,51 @@ caching paper, the cache keeps the last ``K`` requests (input + output tokens) a
 recomputes ``d - c`` recurrent tokens of the shared prefix, ``d`` = the deepest overlap. The
 reduction factor is ``sum d / sum (d - c)`` over the trace (no-cache recompute / recompute).
 
-Methods, each with a budget of ``M`` checkpoints per entry on the 64-token grid:
-  * ``dp`` - online DP, the product's planner (``sglang_sparse.placement.online``): every entry
-    keeps an EW histogram (gamma) of the overlap depths that requests had with it (seeded with the
-    ``K`` requests before it, then every later request), re-planned every ``R`` observations by
-    ``OnlinePlanner`` (own law + global ``DepthPrior`` + uniform hedge, DP, balanced fill); newly
-    planned positions are captured only when a later request's prefill passes them
-    (``passed_positions``: ``resume <= p <= LCP``), and ``admit`` makes room over budget.
+Methods, each with a budget of ``M`` checkpoints per entry on the 64-token grid (``tree``: see there):
+  * ``dp`` - the online planner of the package, :class:`sglang_sparse.placement.online.OnlinePlanner`
+    (it lives in ``sglang_sparse.placement`` but the radix tree does **not** call it; ``tree`` is
+    what the product does): every entry keeps an EW histogram (gamma) of the overlap depths that
+    requests had with it (seeded with the ``K`` requests before it, then every later request),
+    re-planned every ``R`` observations by ``OnlinePlanner`` (own law + global ``DepthPrior`` +
+    uniform hedge, DP, balanced fill); newly planned positions are captured only when a later
+    request's prefill passes them (``passed_positions``: ``resume <= p <= LCP``), and ``admit``
+    makes room over budget.
+  * ``tree`` - what the product's radix tree does (:class:`TreePlanner`): per budget, one
+    :class:`~sglang_sparse.policy.HybridCache` (``sparse`` policy, ``plan_budget=M``) holds exactly
+    the live entries (its tree shares their common prefixes) and serves every request through the
+    product's own calls, as the simulator does: ``match``; ``observe`` (the edge holding the match
+    depth records it in its EW ``DepthHistogram``, every ancestor edge records its end; an edge is
+    re-planned by ``solve_dp`` with budget ``M`` on its grid candidates plus its end, after every
+    observation while young and then every ``R``, skipped while its plan is fresh; a match ending
+    on a leaf teaches the ``TailPrior`` its suffix distance); ``capture_plan`` (sparse admission:
+    the planned positions the prefill passes, ``resume < p <= LCP``, + the Marconi branch point +
+    the tail prior's positions on the new leaf, or its last token while the prior warms up; none
+    shallower than one grid step); ``insert`` of input + output with those states. Positions are on
+    the grid or at edge ends (divergence depths, sequence ends), which the product's candidates
+    include. There is no seeding from past requests and no per-entry budget in the product:
+    ``plan_budget`` bounds each edge's *plan*, the states held are bounded only by the global byte
+    budget. So the budget is applied as the product's memory pressure would (``--tree-budget
+    pooled``, the default): after each request, checkpoints are dropped in the product's eviction
+    order (``Evictor.scores()``: every state by its own recency as a resume point; alpha = 0, the
+    product's bootstrap value) until the tree holds at most ``M`` distinct states per live entry,
+    a shared prefix's state counting once (its x value is that count). The product's eviction
+    would also drop whole leaves and truncate dead KV tails; with the contents held fixed only
+    checkpoint drops are used. ``--tree-budget entry`` instead keeps every entry's root-to-leaf
+    path within ``M`` (a shared state counting for every entry through it, as the duplicated
+    per-entry states of the other methods do) by dropping, in the same order, checkpoints on
+    over-budget paths. The JSON rows give both counts (``states_per_entry``,
+    ``path_checkpoints_per_entry``). An entry leaving the window loses the part of its path no
+    live entry shares (``drop_leaf`` / ``truncate``, then the evictor's merge of a checkpoint-free
+    single-child node).
   * ``block`` / ``balanced`` / ``log`` / ``sqrt`` - the budgeted baselines (placement.BASELINES).
-  * ``oracle`` - the DP fed each entry's true lifetime overlap law (an upper bound).
+  * ``oracle`` - the DP fed each entry's true lifetime overlap law (an upper bound for per-entry
+    grid placement; ``tree`` can exceed it: it also checkpoints off-grid edge ends).
   * ``block@B`` - block caching with a fixed block size B (its checkpoint count varies by length).
 
 Short-prompt sets (``<name>_short``): the same replay on a variant of each Pareto trace with a
 median input of ~250 tokens and the prefix sharing kept (:func:`short_prompt_variant`).
 Acceptance: ``dp`` >= block, balanced, log and sqrt at every ``M`` on every set, long and short.
+Also reported (never fails the run): whether ``tree`` >= those baselines at every ``M`` on every set.
 
 Part 2 - DP solve time vs N (blocks) and M: native hull, Python hull and the O(N²M) reference.
 
@@ -32,6 +63,7 @@ Run: ``python -m benchmarks.placement [--traces traces/build] [--quick]``. Write
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +86,10 @@ from sglang_sparse.placement import (
     solve_dp_python,
     solve_dp_reference,
 )
+from sglang_sparse.policy import HybridCache, ModelCostModel
+from sglang_sparse.policy.eviction import CKPT
+from sglang_sparse.sim.models import cost_model
+from sglang_sparse.tree import Node, as_tokens
 
 from ._common import REPO, progress, table, write_json
 
@@ -64,7 +100,13 @@ SHORT_MEDIAN = 250
 """Target median input (tokens) of the short-prompt sets (:func:`short_prompt_variant`)."""
 SHORT_SUFFIX = "_short"
 ACCEPT_BASELINES = ("block", "balanced", "log", "sqrt")
-"""The budgeted baselines the online DP must match or beat at every M."""
+"""The budgeted baselines the online DP must match or beat at every M (``tree``: reported only)."""
+TREE_BUDGET_RULES = ("pooled", "entry")
+"""How the ``tree`` method applies the budget ``M`` (:class:`TreePlanner`): ``pooled`` (default) as
+the product's global memory budget would, ``entry`` strictly per entry path."""
+TREE_MODEL = "qwen3-next-80b-a3b"
+"""Cost model the ``tree`` method's :class:`HybridCache` is built with (the sparse policy is
+FLOP-aware; with alpha = 0 its eviction ranking does not read it)."""
 
 
 def lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -95,15 +137,156 @@ def _resume(positions: np.ndarray, depth: int) -> int:
     return int(positions[k - 1]) if k else 0
 
 
+class TreePlanner:
+    """The product's placement for one budget ``M``: a :class:`HybridCache` (``sparse`` policy,
+    ``plan_budget=M``) holding exactly the live entries, driven by the product's own calls.
+
+    * :meth:`serve` - one request as the simulator serves it (``match``, ``observe``,
+      ``capture_plan``, ``insert`` of input + output), without the byte-budget eviction.
+    * :meth:`forget` - an entry leaves the last-K window: the part of its path that no live entry
+      shares is dropped with the tree's eviction primitives (``drop_leaf`` / ``truncate``), then a
+      checkpoint-free single-child node is merged into its child as the product's evictor does
+      after a leaf eviction.
+    * :meth:`enforce` - the budget of ``M`` checkpoints per entry, which the product does not have
+      (see the module docstring), applied in the product's eviction order (``Evictor.scores()``,
+      lowest first, checkpoint candidates only: the contents stay fixed). ``rule="pooled"`` (the
+      product under memory pressure): drop checkpoints until the tree holds at most ``M`` distinct
+      states per live entry. ``rule="entry"``: drop, among checkpoints on the path of an entry that
+      holds more than ``M`` on its root-to-leaf path, the lowest-ranked, until none does.
+    """
+
+    def __init__(
+        self,
+        budget: int,
+        gamma: float = 0.99,
+        refresh: int = 10,
+        grid: int = DEFAULT_GRID,
+        rule: str = "pooled",
+    ) -> None:
+        if rule not in TREE_BUDGET_RULES:
+            raise ValueError(f"unknown tree budget rule {rule!r}; valid: {', '.join(TREE_BUDGET_RULES)}")
+        self.budget = int(budget)
+        self.rule = rule
+        self.cache = HybridCache(
+            "sparse",
+            budget_bytes=10**18,  # never binding: enforce() applies the budget
+            cost=_tree_cost_model(),
+            gamma=gamma,
+            refresh=refresh,
+            plan_budget=self.budget,
+            grid=grid,
+        )
+
+    @property
+    def states(self) -> int:
+        """Distinct checkpoints the tree holds (a shared prefix's state counts once)."""
+        return self.cache.tree.num_states
+
+    def serve(self, inp: np.ndarray, full: np.ndarray, kv_depth: int, resume: int) -> None:
+        """Serve one request (int32 ``inp`` / ``full`` = input + output tokens). ``kv_depth`` and
+        ``resume`` are the replay's deepest overlap and resume depth from the per-entry positions;
+        the tree's own match must agree (checked)."""
+        cache = self.cache
+        m = cache.match(inp)
+        if (m.kv_depth, m.resume_depth) != (kv_depth, resume):
+            raise AssertionError(
+                f"tree/{self.budget}: tree match (kv {m.kv_depth}, resume {m.resume_depth}) != "
+                f"replay (kv {kv_depth}, resume {resume})"
+            )
+        cache.observe(m)
+        plan = cache.capture_plan(m, inp.size, full.size)
+        cache.insert(full, None, {p: p for p in plan})
+
+    def forget(self, tokens: np.ndarray, shared: int) -> None:
+        """Drop the part of entry ``tokens`` deeper than ``shared`` = its longest common prefix with
+        any live entry (nothing when another live entry holds all of it)."""
+        tree = self.cache.tree
+        if shared >= tokens.size:
+            return
+        m = tree.match(tokens)
+        node = m.node
+        if m.kv_depth != tokens.size or node.end != tokens.size:
+            raise AssertionError(f"tree/{self.budget}: entry of {tokens.size} tokens is not a path end")
+        while node.parent is not None and node.end > shared and not node.children:
+            if node.start >= shared:
+                parent = node.parent
+                tree.drop_leaf(node)
+                node = parent
+            else:
+                node = tree.truncate(node, shared)[1]
+        # as Evictor._after_change after a leaf eviction
+        if node.parent is not None and len(node.children) == 1 and not node.checkpoints:
+            tree.merge_with_child(node)
+
+    def _paths(self, live: dict[int, np.ndarray]) -> dict[int, list[tuple[Node, int]]]:
+        """Per live entry (id -> int32 tokens): the checkpoints ``(node, position)`` on its path."""
+        tree = self.cache.tree
+        out = {}
+        for e, tokens in live.items():
+            n = tokens.size
+            out[e] = [(node, p) for node in tree.match(tokens).path for p in node.checkpoints if p <= n]
+        return out
+
+    def enforce(self, live: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Apply the budget to the live entries (id -> int32 tokens); returns the positions on each
+        entry's path (sorted int64; a shared prefix's checkpoint appears on every entry through it)."""
+        tree = self.cache.tree
+        if self.rule == "pooled":
+            excess = tree.num_states - self.budget * len(live)
+            if excess > 0:
+                for cand in self.cache.evictor.scores():  # lowest rank first
+                    if cand.kind == CKPT:
+                        tree.drop_checkpoint(cand.node, cand.pos)
+                        excess -= 1
+                        if excess <= 0:
+                            break
+            held = self._paths(live)
+        else:
+            held = self._paths(live)
+            over = {e for e, h in held.items() if len(h) > self.budget}
+            if over:
+                count = {e: len(h) for e, h in held.items()}
+                holders: dict[tuple[Node, int], list[int]] = {}
+                for e, h in held.items():
+                    for x in h:
+                        holders.setdefault(x, []).append(e)
+                for cand in self.cache.evictor.scores():  # lowest rank first
+                    es = holders.get((cand.node, cand.pos), ()) if cand.kind == CKPT else ()
+                    if not any(e in over for e in es):
+                        continue
+                    tree.drop_checkpoint(cand.node, cand.pos)
+                    for e in es:
+                        count[e] -= 1
+                        if count[e] <= self.budget:
+                            over.discard(e)
+                    if not over:
+                        break
+        return {
+            e: np.array(sorted(p for node, p in h if p in node.checkpoints), dtype=np.int64)
+            for e, h in held.items()
+        }
+
+
+@functools.cache
+def _tree_cost_model() -> ModelCostModel:
+    return cost_model(TREE_MODEL)
+
+
 @dataclass
 class ReplayResult:
     """Per method key: sum of shared-prefix depths, of recomputed tokens, worst case, and the mean
-    checkpoints held per live entry (averaged over every request step)."""
+    checkpoints held per live entry (averaged over every request step; ``tree``: what its budget
+    rule bounds, distinct states for ``pooled``, path checkpoints for ``entry``). For ``tree`` keys
+    also the mean distinct states per live entry (``states``: a shared prefix's state counts once)
+    and the mean checkpoints on each live entry's root-to-leaf path (``path_checkpoints``: a shared
+    prefix's state counts for every entry through it)."""
 
     overlap_tokens: float
     recompute: dict[str, float]
     worst: dict[str, int]
     checkpoints: dict[str, float]
+    states: dict[str, float] = field(default_factory=dict)
+    path_checkpoints: dict[str, float] = field(default_factory=dict)
 
     def reduction(self, key: str) -> float:
         r = self.recompute[key]
@@ -119,9 +302,11 @@ def replay_last_k(
     refresh: int = 10,
     grid: int = DEFAULT_GRID,
     desc: str = "",
+    tree_budget: str = "pooled",
 ) -> ReplayResult:
-    """Replay ``(input_tokens, full_sequence)`` pairs through a last-K cache for every method."""
-    keys = [f"dp/{m}" for m in budgets] + [f"oracle/{m}" for m in budgets]
+    """Replay ``(input_tokens, full_sequence)`` pairs through a last-K cache for every method
+    (``tree_budget``: the ``tree`` method's budget rule, :data:`TREE_BUDGET_RULES`)."""
+    keys = [f"dp/{m}" for m in budgets] + [f"tree/{m}" for m in budgets] + [f"oracle/{m}" for m in budgets]
     keys += [f"{b}/{m}" for b in BASELINES if b != "last" for m in budgets] + [
         f"block@{b}" for b in block_sizes
     ]
@@ -149,14 +334,23 @@ def replay_last_k(
     entries: dict[int, Entry] = {}
     prior = DepthPrior(gamma, grid)
     planner = OnlinePlanner(grid)
-    for t, (_inp, full) in progress(enumerate(sequences), total=len(sequences), desc=desc):
+    trees = {m: TreePlanner(m, gamma, refresh, grid, tree_budget) for m in budgets}
+    tokens32: dict[int, np.ndarray] = {}  # live entries' full sequences as the tree's int32 tokens
+    states = dict.fromkeys((f"tree/{m}" for m in budgets), 0.0)
+    for t, (inp, full) in progress(enumerate(sequences), total=len(sequences), desc=desc):
         row = overlaps[t]
         d_max = max((d for _, d in row), default=0)
         overlap += d_max
+        resumes: dict[str, int] = {}
         for key in keys:
-            c = max((_resume(entries[e].sets[key], d) for e, d in row), default=0)
+            c = resumes[key] = max((_resume(entries[e].sets[key], d) for e, d in row), default=0)
             recompute[key] += d_max - c
             worst[key] = max(worst[key], d_max - c)
+        # tree: the product serves the request (its captures land on the live entries' paths)
+        tokens32[t] = as_tokens(full)
+        inp32 = as_tokens(inp)
+        for m, tree in trees.items():
+            tree.serve(inp32, tokens32[t], d_max, resumes[f"tree/{m}"])
         if row:
             e_best, d_best = max(row, key=lambda x: (x[1], x[0]))
             prior.observe(d_best, entries[e_best].tokens.size)
@@ -194,12 +388,25 @@ def replay_last_k(
             entry.sets[f"block@{b}"] = np.array(block_placement(n, b, grid), dtype=np.int64)
         entries[t] = entry
         if len(entries) > k_entries:
-            del entries[min(entries)]
+            old = min(entries)
+            del entries[old]
+            gone = tokens32.pop(old)
+            shared = max(lcp(gone, tok) for tok in tokens32.values())
+            for tree in trees.values():
+                tree.forget(gone, shared)
+        for m, tree in trees.items():
+            for e, pos in tree.enforce(tokens32).items():
+                entries[e].sets[f"tree/{m}"] = pos
+            states[f"tree/{m}"] += tree.states
         for key in keys:  # time average over live entries
             ck_sum[key] += sum(en.sets[key].size for en in entries.values())
         n_entries += len(entries)
-    checkpoints = {k: v / max(n_entries, 1) for k, v in ck_sum.items()}
-    return ReplayResult(overlap, recompute, worst, checkpoints)
+    per_entry = {k: v / max(n_entries, 1) for k, v in ck_sum.items()}
+    states = {k: v / max(n_entries, 1) for k, v in states.items()}
+    path = {k: per_entry[k] for k in states}
+    if tree_budget == "pooled":  # the budget bounds distinct states
+        per_entry.update(states)
+    return ReplayResult(overlap, recompute, worst, per_entry, states, path)
 
 
 def _plan_dp(
@@ -259,20 +466,24 @@ def short_prompt_variant(
     return out, k
 
 
-def _replay_summary(seqs: Sequence[tuple[np.ndarray, np.ndarray]], k_entries: int, desc: str) -> dict:
-    res = replay_last_k(seqs, k_entries=k_entries, desc=desc)
+def _replay_summary(
+    seqs: Sequence[tuple[np.ndarray, np.ndarray]], k_entries: int, desc: str, tree_budget: str = "pooled"
+) -> dict:
+    res = replay_last_k(seqs, k_entries=k_entries, desc=desc, tree_budget=tree_budget)
     methods: dict[str, list[dict]] = {}
     for key in res.recompute:
         method, _, m = key.partition("/")
-        methods.setdefault(method, []).append(
-            {
-                "budget": int(m) if m else None,
-                "checkpoints_per_entry": res.checkpoints[key],
-                "reduction": res.reduction(key),
-                "recompute_tokens": res.recompute[key],
-                "worst_recompute_tokens": res.worst[key],
-            }
-        )
+        row = {
+            "budget": int(m) if m else None,
+            "checkpoints_per_entry": res.checkpoints[key],
+            "reduction": res.reduction(key),
+            "recompute_tokens": res.recompute[key],
+            "worst_recompute_tokens": res.worst[key],
+        }
+        if key in res.states:
+            row["states_per_entry"] = res.states[key]
+            row["path_checkpoints_per_entry"] = res.path_checkpoints[key]
+        methods.setdefault(method, []).append(row)
     inputs = [inp.size for inp, _ in seqs]
     return {
         "requests": len(seqs),
@@ -289,6 +500,7 @@ def pareto(
     k_entries: int,
     short_traces: Sequence[str] = (),
     short_median: int = SHORT_MEDIAN,
+    tree_budget: str = "pooled",
 ) -> dict:
     """Part 1 on every trace in ``traces`` and on the short-prompt variant (key ``<name>_short``,
     :func:`short_prompt_variant`) of every trace in ``short_traces``."""
@@ -302,36 +514,46 @@ def pareto(
             )
         loaded[name] = load_sequences(path, limit)
     for name in progress(traces, desc="traces"):
-        results[name] = _replay_summary(loaded[name], k_entries, name)
+        results[name] = _replay_summary(loaded[name], k_entries, name, tree_budget)
     for name in progress(short_traces, desc="short-prompt sets"):
         seqs, stride = short_prompt_variant(loaded[name], short_median)
         results[f"{name}{SHORT_SUFFIX}"] = {
             "source": name,
             "stride": stride,
-            **_replay_summary(seqs, k_entries, f"{name}{SHORT_SUFFIX}"),
+            **_replay_summary(seqs, k_entries, f"{name}{SHORT_SUFFIX}", tree_budget),
         }
     return results
+
+
+def _losses(meth: dict, method: str) -> tuple[list[dict], float]:
+    """Where ``method`` loses to a budgeted baseline (block, balanced, log, sqrt) at the same M, and
+    the smallest ``method / best baseline`` over M."""
+    own = {x["budget"]: x["reduction"] for x in meth[method]}
+    losses = []
+    best: dict[int, float] = {}
+    for b in ACCEPT_BASELINES:
+        for x in meth[b]:
+            best[x["budget"]] = max(best.get(x["budget"], 0.0), x["reduction"])
+            if own[x["budget"]] < x["reduction"] * (1 - 1e-9):
+                losses.append(
+                    {"baseline": b, "budget": x["budget"], method: own[x["budget"]], "it": x["reduction"]}
+                )
+    margin = min((own[m] / v for m, v in best.items() if v > 0), default=float("nan"))
+    return losses, margin
 
 
 def acceptance(results: dict) -> dict:
     """Per set: where DP loses to a budgeted baseline (block, balanced, log, sqrt) at the same M
     (``dp_loses_to``; empty = the acceptance holds), the smallest ``dp / best baseline`` over M
-    (``dp_min_margin``, >= 1 when it holds) and the checkpoints DP needs to match each block size."""
+    (``dp_min_margin``, >= 1 when it holds) and the checkpoints DP needs to match each block size.
+    When the set has the ``tree`` method: the same for it (``tree_loses_to``, ``tree_min_margin``;
+    reported, not part of the acceptance)."""
     out: dict = {}
     for name, r in results.items():
         meth = r["methods"]
         dp = {x["budget"]: x["reduction"] for x in meth["dp"]}
         dp_ck = {x["budget"]: x["checkpoints_per_entry"] for x in meth["dp"]}
-        losses = []
-        best: dict[int, float] = {}
-        for b in ACCEPT_BASELINES:
-            for x in meth[b]:
-                best[x["budget"]] = max(best.get(x["budget"], 0.0), x["reduction"])
-                if dp[x["budget"]] < x["reduction"] * (1 - 1e-9):
-                    losses.append(
-                        {"baseline": b, "budget": x["budget"], "dp": dp[x["budget"]], "it": x["reduction"]}
-                    )
-        margin = min((dp[m] / v for m, v in best.items() if v > 0), default=float("nan"))
+        losses, margin = _losses(meth, "dp")
         matches = []
         for key, xs in meth.items():
             if not key.startswith("block@"):
@@ -353,6 +575,9 @@ def acceptance(results: dict) -> dict:
                 }
             )
         out[name] = {"dp_loses_to": losses, "dp_min_margin": margin, "dp_vs_block": matches}
+        if "tree" in meth:
+            tree_losses, tree_margin = _losses(meth, "tree")
+            out[name].update({"tree_loses_to": tree_losses, "tree_min_margin": tree_margin})
     return out
 
 
@@ -415,12 +640,22 @@ def plot_pareto(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
     for ax in axes.flat[len(results) :]:
         ax.set_visible(False)
-    style = {"dp": "o-", "oracle": "k:", "block": "s--", "balanced": "^--", "log": "v--", "sqrt": "d--"}
+    style = {
+        "dp": "o-",
+        "tree": "D-",
+        "oracle": "k:",
+        "block": "s--",
+        "balanced": "^--",
+        "log": "v--",
+        "sqrt": "d--",
+    }
     for ax, (name, r) in zip(axes.flat, results.items(), strict=False):
         for method, mk in style.items():
+            if method not in r["methods"]:
+                continue
             xs = [x["checkpoints_per_entry"] for x in r["methods"][method]]
             ys = [x["reduction"] for x in r["methods"][method]]
-            ax.plot(xs, ys, mk, label=method, ms=4)
+            ax.plot(xs, ys, mk, label="tree (product)" if method == "tree" else method, ms=4)
         bx = [r["methods"][k][0]["checkpoints_per_entry"] for k in r["methods"] if k.startswith("block@")]
         by = [r["methods"][k][0]["reduction"] for k in r["methods"] if k.startswith("block@")]
         ax.plot(bx, by, "x-", color="gray", label="block@B (fixed size)")
@@ -485,6 +720,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="small run (CI smoke): 300 requests, no big reference DP"
     )
+    ap.add_argument(
+        "--tree-budget",
+        choices=TREE_BUDGET_RULES,
+        default="pooled",
+        help="how the tree method applies the budget M (TreePlanner): pooled as the product's memory "
+        "budget, or strictly per entry path",
+    )
     ap.add_argument("--skip-timing", action="store_true")
     args = ap.parse_args(argv)
     if args.quick and args.limit is None:
@@ -492,8 +734,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._common import results_dir
 
     out = results_dir(args.quick)
-    results = pareto(args.traces, args.names, args.limit, args.entries, args.short_names, args.short_median)
+    results = pareto(
+        args.traces,
+        args.names,
+        args.limit,
+        args.entries,
+        args.short_names,
+        args.short_median,
+        args.tree_budget,
+    )
     acc = acceptance(results)
+    tree_holds = all(not a["tree_loses_to"] for a in acc.values())
     write_json(
         "placement",
         {
@@ -504,6 +755,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "traces": results,
             "acceptance": acc,
             "acceptance_holds": all(not a["dp_loses_to"] for a in acc.values()),
+            "tree_budget_rule": args.tree_budget,
+            "tree_beats_baselines": tree_holds,
         },
         out,
     )
@@ -515,8 +768,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 [m]
                 + [
                     r["methods"][k][i]["reduction"]
-                    for k in ("dp", "oracle", "block", "balanced", "log", "sqrt")
+                    for k in ("dp", "tree", "oracle", "block", "balanced", "log", "sqrt")
                 ]
+                + [r["methods"]["tree"][i]["checkpoints_per_entry"]]
             )
         what = f"{r['requests']} requests, median input {r['median_input_tokens']:.0f} tokens"
         if "stride" in r:
@@ -525,8 +779,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\n== {name} ({what}): recurrent-work reduction (x) by checkpoint budget M, "
             f"last-{args.entries} entries"
         )
-        print(table(rows, ["M", "dp", "oracle", "block", "balanced", "log", "sqrt"]))
+        header = ["M", "dp", "tree", "oracle", "block", "balanced", "log", "sqrt", "tree ckpt/entry"]
+        print(table(rows, header))
         print(f"   DP loses to a baseline at: {acc[name]['dp_loses_to'] or 'nowhere'}")
+        tree_losses = [(x["baseline"], x["budget"]) for x in acc[name]["tree_loses_to"]]
+        print(f"   tree (the product) loses to a baseline at: {tree_losses or 'nowhere'}")
         for x in acc[name]["dp_vs_block"]:
             print(
                 f"   block@{x['block_size']}: {x['block_checkpoints']:.1f} ckpt/entry, reduction "
@@ -539,6 +796,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ("holds on every set" if holds else "FAILS")
         + "; min dp / best baseline: "
         + ", ".join(f"{n} {a['dp_min_margin']:.4f}" for n, a in acc.items())
+    )
+    print(
+        f"== tree (the product's radix tree, budget {args.tree_budget}) >= block, balanced, log, sqrt at "
+        "every M: "
+        + ("yes on every set" if tree_holds else "NO (reported only)")
+        + "; min tree / best baseline: "
+        + ", ".join(f"{n} {a['tree_min_margin']:.4f}" for n, a in acc.items())
     )
     if not args.skip_timing:
         timing = time_dp(args.quick)

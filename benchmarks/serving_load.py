@@ -7,6 +7,8 @@ different loopback ports (the random-weight tiny hybrid Qwen3-Next of
 * ``native``  - SGLang's own radix cache (``no_buffer`` Mamba strategy: a state at chunk ends);
 * ``sparse``  - ``--radix-cache-backend sparse``, ``SGLANG_SPARSE_POLICY=sparse``;
 * ``lru``, ``marconi`` - the same backend with ``SGLANG_SPARSE_POLICY=lru`` / ``marconi``;
+* ``sparse_cut`` - ``sparse`` with ``SGLANG_SPARSE_CAPTURE=cut`` (planned states by chunk cuts
+  instead of in-forward capture; not in the default set);
 * ``nocache`` - ``--disable-radix-cache`` (the reference for token equality).
 
 Server flags on top of :data:`sglang_sparse.testing.server.CPU_SERVER_ARGS`: the tokenizer is on
@@ -132,9 +134,14 @@ CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "sparse": (("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "sparse"}),
     "lru": (("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "lru"}),
     "marconi": (("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "marconi"}),
+    # the chunk-cut capture path (issue 10 compares it with the default in-forward capture)
+    "sparse_cut": (
+        ("--radix-cache-backend", "sparse"),
+        {"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_CAPTURE": "cut"},
+    ),
     "nocache": (("--disable-radix-cache",), {}),
 }
-SPARSE_BACKEND = ("sparse", "lru", "marconi")
+SPARSE_BACKEND = ("sparse", "lru", "marconi", "sparse_cut")
 WORKLOADS = ("doc_qa", "system_prompts", "rag", "agent")
 DATASET = {"doc_qa": "custom", "system_prompts": "custom", "rag": "custom", "agent": "agentic-trace"}
 
@@ -784,7 +791,13 @@ def summarize_workload(
 
 
 #: (subject, reference) pairs whose TTFT ratio is checked against their prefilled-token ratio
-TTFT_PAIRS = (("sparse", "lru"), ("sparse", "native"), ("sparse", "marconi"))
+TTFT_PAIRS = (
+    ("sparse", "lru"),
+    ("sparse", "native"),
+    ("sparse", "marconi"),
+    ("sparse_cut", "lru"),
+    ("sparse", "sparse_cut"),
+)
 
 
 def ttft_vs_prefill(

@@ -71,5 +71,16 @@ def test_headroom_bounds_every_in_budget_policy(tmp_path) -> None:
         assert sorted(x["policy"] for x in a["losses"]) == want
         assert a["sparse_ge_all_in_budget"] == (not want)
         assert all(x["over_budget"] for x in a["losses_over_budget"])
+        for x in a["losses_over_budget"]:
+            # the fair comparison: sparse replayed with the memory the soft-cap policy really used
+            eq = x["sparse_at_equal_memory"]
+            assert eq["cache_bytes"] == int(rows[x["policy"]]["max_bytes_used"])
+            assert x["sparse_ge_at_equal_memory"] == (
+                eq["token_hit_rate"] >= x["hit"] and eq["flops_saved_frac"] >= x["flops"]
+            )
         assert a["headroom_hit"] == pytest.approx(head[frac]["token_hit_rate"])
+    # vllm_plus_published overshoots its budget at the small size and beats sparse there
+    small = {x["policy"]: x for x in acc[8.0]["losses_over_budget"]}
+    assert "vllm_plus_published" in small
+    assert small["vllm_plus_published"]["sparse_ge_at_equal_memory"]
     assert (out / "sim_compare_tiny.png").exists()
