@@ -19,8 +19,22 @@ if any(importlib.util.find_spec(m) is None for m in ("torch", "sglang", "transfo
 
 from benchmarks import serving_load  # noqa: E402
 
-if not (serving_load.TRACES / "doc_qa.jsonl").exists():
-    pytest.skip("traces not built: python -m sglang_sparse.traces build all", allow_module_level=True)
+
+def _ensure_doc_qa_trace() -> None:
+    """Build the doc_qa trace into ``traces/build`` (git-ignored, what the main job does) when a
+    clean checkout has not built it yet; skip only when the real data is not on this machine."""
+    if (serving_load.TRACES / "doc_qa.jsonl").exists():
+        return
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "sglang_sparse.traces", "build", "doc_qa", "--quiet"]
+    proc = subprocess.run(cmd + ["--out", str(serving_load.TRACES)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"doc_qa trace not built and cannot be built here: {proc.stderr.strip()[-500:]}")
+
+
+_ensure_doc_qa_trace()
 
 
 def test_tiny_cell_end_to_end(tmp_path: Path) -> None:
