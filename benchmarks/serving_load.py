@@ -141,7 +141,8 @@ CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     ),
     "nocache": (("--disable-radix-cache",), {}),
 }
-SPARSE_BACKEND = ("sparse", "lru", "marconi", "sparse_cut")
+#: configurations served by the sparse backend (their /server_info carries the sparse statistics)
+SPARSE_BACKEND = tuple(c for c, (flags, _) in CONFIGS.items() if "--radix-cache-backend" in flags)
 WORKLOADS = ("doc_qa", "system_prompts", "rag", "agent")
 DATASET = {"doc_qa": "custom", "system_prompts": "custom", "rag": "custom", "agent": "agentic-trace"}
 
