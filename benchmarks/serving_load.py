@@ -9,7 +9,10 @@ different loopback ports (the random-weight tiny hybrid Qwen3-Next of
 * ``lru``, ``marconi`` - the same backend with ``SGLANG_SPARSE_POLICY=lru`` / ``marconi``;
 * ``sparse_cut`` - ``sparse`` with ``SGLANG_SPARSE_CAPTURE=cut`` (planned states by chunk cuts
   instead of in-forward capture; not in the default set);
-* ``nocache`` - ``--disable-radix-cache`` (the reference for token equality).
+* ``nocache`` - ``--disable-radix-cache`` (the reference for token equality);
+* ``NAME#2`` (any suffix after ``#``) - a second, independent server of configuration ``NAME``: the
+  A/A control. Its ratios to ``NAME`` (and its ``ttft_vs_prefill`` gap) show how far two server
+  processes of one configuration differ on this machine, the floor for reading any A/B ratio.
 
 Server flags on top of :data:`sglang_sparse.testing.server.CPU_SERVER_ARGS`: the tokenizer is on
 (no ``--skip-tokenizer-init``; the client sends text and times streamed text), ``--sleep-on-idle``
@@ -143,6 +146,20 @@ CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 }
 #: configurations served by the sparse backend (their /server_info carries the sparse statistics)
 SPARSE_BACKEND = tuple(c for c, (flags, _) in CONFIGS.items() if "--radix-cache-backend" in flags)
+
+
+def config_base(name: str) -> str:
+    """The configuration a server name runs: ``lru#2`` is a second, independent ``lru`` server
+    (same flags, its own process), so ``--configs sparse,lru,lru#2`` measures the A/A difference
+    between two server processes of one configuration next to the A/B one."""
+    return name.split("#", 1)[0]
+
+
+def is_sparse_backend(name: str) -> bool:
+    """Does server ``name`` run the sparse backend (its /server_info carries sparse statistics)?"""
+    return config_base(name) in SPARSE_BACKEND
+
+
 WORKLOADS = ("doc_qa", "system_prompts", "rag", "agent")
 DATASET = {"doc_qa": "custom", "system_prompts": "custom", "rag": "custom", "agent": "agentic-trace"}
 
@@ -550,7 +567,7 @@ def mem_available_gb() -> float:
 
 def server_args(config: str, chunk: int, chat_template: Path) -> list[str]:
     """Extra server flags of ``config`` on top of the CPU defaults (tokenizer on, sleep on idle)."""
-    flags, _ = CONFIGS[config]
+    flags, _ = CONFIGS[config_base(config)]
     return [
         "--sleep-on-idle",
         "--chat-template",
@@ -587,7 +604,7 @@ def start_servers(
         c: SGLangServer(
             model_dir,
             extra_args=server_args(c, chunk, chat_template),
-            env={"SGLANG_SPARSE_LOG_EVERY": "0", **CONFIGS[c][1]},
+            env={"SGLANG_SPARSE_LOG_EVERY": "0", **CONFIGS[config_base(c)][1]},
             base_args=base,
             max_total_tokens=pools["max_total_tokens"],
             max_mamba_cache_size=pools["max_mamba_cache_size"],
@@ -678,7 +695,7 @@ def run_one(
 ) -> dict[str, Any]:
     """Flush ``srv``, run the client once, return the run record (metrics, tokens, texts)."""
     flush(srv)
-    before = sparse_snapshot(srv) if config in SPARSE_BACKEND else {}
+    before = sparse_snapshot(srv) if is_sparse_backend(config) else {}
     t0 = time.perf_counter()
     row = worker.run(
         out_file,
@@ -695,7 +712,7 @@ def run_one(
         extra=["--output-details", "--cache-report", "--warmup-requests", "0"],
     )
     wall = time.perf_counter() - t0
-    after = sparse_snapshot(srv) if config in SPARSE_BACKEND else {}
+    after = sparse_snapshot(srv) if is_sparse_backend(config) else {}
     lens = [int(x) for x in row.get("input_lens") or []]
     cached = [int(x or 0) for x in row.get("cached_tokens") or []]
     rec: dict[str, Any] = {k: row.get(k) for k in METRICS}
@@ -710,8 +727,9 @@ def run_one(
         + abs(len(lens) - len(wl.expected_input_lens)),
         texts=list(row.get("generated_texts") or []),
         per_request_cached=cached,
+        per_request_ttft_ms=[round(float(x) * 1000, 3) for x in row.get("ttfts") or []],
     )
-    if config in SPARSE_BACKEND:
+    if is_sparse_backend(config):
         rec["sparse"] = sparse_delta(before, after)
     return rec
 
@@ -805,12 +823,17 @@ def ttft_vs_prefill(
     series: Callable[[str, str], list[float | None]], configs: Sequence[str], kind: str
 ) -> dict[str, Any]:
     """Does a config's time to first token follow the tokens it prefills? Per pair of
-    :data:`TTFT_PAIRS` present: paired per-repetition ratios of mean TTFT and of prefilled tokens,
-    and ``gap`` = TTFT ratio / prefilled ratio - 1 per repetition (0: TTFT shrinks exactly as the
-    prefill does; issue 10 asks |gap| <= 5% for sparse vs lru). Only meaningful where queueing is
-    light (the lowest rate); under heavy load queueing makes TTFT non-linear in prefill work."""
+    :data:`TTFT_PAIRS` present, plus every second instance with its first (``lru#2/lru``: the A/A
+    floor of the gap between two server processes of one configuration): paired per-repetition
+    ratios of mean TTFT and of prefilled tokens, and ``gap`` = TTFT ratio / prefilled ratio - 1 per
+    repetition (0: TTFT shrinks exactly as the prefill does; issue 10 asks |gap| <= 5% for sparse vs
+    lru). ``pooled_gap``: the same from the repetitions' totals (sum of mean TTFTs over sum,
+    prefilled likewise), the steadier estimate when single runs are noisy. Only meaningful where
+    queueing is light (the lowest rate or one request in flight); under heavy load queueing makes
+    TTFT non-linear in prefill work."""
     out: dict[str, Any] = {}
-    for a, b in TTFT_PAIRS:
+    pairs = [*TTFT_PAIRS, *((c, config_base(c)) for c in configs if c != config_base(c))]
+    for a, b in pairs:
         if a not in configs or b not in configs:
             continue
         t = paired_ratios(series(a, "mean_ttft_ms"), series(b, "mean_ttft_ms"))
@@ -821,8 +844,28 @@ def ttft_vs_prefill(
             "ttft_ratio": st.as_dict() if st else None,
             "prefilled_ratio": sp.as_dict() if sp else None,
             "gap": {**sg.as_dict(), "per_rep": gaps} if sg else None,
+            "pooled_gap": _pooled_gap(
+                series(a, "mean_ttft_ms"),
+                series(b, "mean_ttft_ms"),
+                series(a, "prefilled_tokens"),
+                series(b, "prefilled_tokens"),
+            ),
         }
     return out
+
+
+def _pooled_gap(
+    ta: Sequence[float | None],
+    tb: Sequence[float | None],
+    pa: Sequence[float | None],
+    pb: Sequence[float | None],
+) -> float | None:
+    """``(sum ta / sum tb) / (sum pa / sum pb) - 1`` over the repetitions where all four exist."""
+    rows = [r for r in zip(ta, tb, pa, pb, strict=False) if all(x is not None for x in r)]
+    sums = [sum(float(r[i]) for r in rows) for i in range(4)]  # type: ignore[arg-type]
+    if not rows or not all(sums):
+        return None
+    return (sums[0] / sums[1]) / (sums[2] / sums[3]) - 1
 
 
 def equality_summary(
@@ -908,6 +951,7 @@ def print_workload(name: str, doc: dict[str, Any], configs: Sequence[str], basel
                 f"   {pair}: mean TTFT ratio {tr['median']:.3f} [{tr['lo']:.3f}-{tr['hi']:.3f}], "
                 f"prefilled-token ratio {pr['median']:.3f}; gap {g['median']:+.1%} "
                 f"[{g['lo']:+.1%} to {g['hi']:+.1%}]"
+                + (f", pooled {v['pooled_gap']:+.1%}" if v.get("pooled_gap") is not None else "")
             )
     eq = doc["equality"]
     if eq.get("reference"):
@@ -1018,7 +1062,8 @@ def run_load(
     from benchmarks.bench_client import ClientWorker, write_word_chat_template
     from sglang_sparse.models.tiny import SIZES, make_tiny_model
 
-    unknown = [c for c in configs if c not in CONFIGS] + [w for w in workloads if w not in DATASET]
+    unknown = [c for c in configs if config_base(c) not in CONFIGS]
+    unknown += [w for w in workloads if w not in DATASET]
     if unknown:
         raise SystemExit(f"error: unknown configs/workloads {unknown}")
     if equality not in ("auto", "always", "never"):
@@ -1064,7 +1109,10 @@ def run_load(
         "benchmark": "serving_load",
         "client": "sglang.benchmark.serving (SGLang's bench_serving), persistent process",
         "model": {"arch": "qwen3_next", "size": size, "path": str(model_dir), "context": context},
-        "configs": {c: {"server_flags": list(CONFIGS[c][0]), "env": CONFIGS[c][1]} for c in configs},
+        "configs": {
+            c: {"server_flags": list(CONFIGS[config_base(c)][0]), "env": CONFIGS[config_base(c)][1]}
+            for c in configs
+        },
         "server_common_flags": [
             "--sleep-on-idle",
             "--chat-template",
@@ -1186,9 +1234,9 @@ def run_load(
 
 def _compact(run: dict[str, Any]) -> dict[str, Any]:
     """A run record for the JSON: generated texts replaced by one digest (equal digests = equal
-    outputs; the comparisons themselves are in ``equality``), per-request cached tokens dropped
-    (their sum is ``cached_tokens``)."""
-    out = {k: v for k, v in run.items() if k not in ("texts", "per_request_cached")}
+    outputs; the comparisons themselves are in ``equality``). Per request (client order) it keeps
+    the cached tokens and the TTFT (ms), so TTFT can be paired request by request."""
+    out = {k: v for k, v in run.items() if k != "texts"}
     out["texts_sha1"] = hashlib.sha1("\x00".join(run["texts"]).encode()).hexdigest()[:16]
     return out
 
@@ -1211,7 +1259,11 @@ def build_parser() -> argparse.ArgumentParser:
         "rate 4/s + cap 4; 3 repetitions; JSON/PNG under benchmarks/results/quick/",
     )
     ap.add_argument("--workloads", help=f"comma list of {','.join(WORKLOADS)} (full: all)")
-    ap.add_argument("--configs", help=f"comma list of {','.join(CONFIGS)} (full: all)")
+    ap.add_argument(
+        "--configs",
+        help=f"comma list of {','.join(CONFIGS)} (full: all but sparse_cut); NAME#2 starts a second "
+        "server of NAME (A/A control, e.g. lru,lru#2)",
+    )
     ap.add_argument(
         "--baselines", default="native,lru,marconi", help="ratio denominators (default %(default)s)"
     )

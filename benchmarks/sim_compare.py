@@ -31,7 +31,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
 from benchmarks._common import REPO, results_dir  # noqa: E402
 from sglang_sparse.policy import POLICY_NAMES, PUBLISHED_NAMES  # noqa: E402
 from sglang_sparse.sim import OracleLaw, cost_model, load_trace, simulate, synthetic_trace  # noqa: E402
-from sglang_sparse.sim.bound import headroom_bound, reuse_depths  # noqa: E402
+from sglang_sparse.sim.bound import headroom_bound, reuse_profile  # noqa: E402
 
 FULL_FRACS = (0.05, 0.1, 0.2, 0.3, 0.5)
 QUICK_FRACS = (0.1, 0.3)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: trace {path} holds no requests")
         oracle = OracleLaw(reqs)
         footprint = oracle.inf.kv_tokens * cm.kv_bytes_per_token
-        depths = reuse_depths(reqs)
+        profile = reuse_profile(reqs)
         rows = []
         bounds = []
         for frac in fracs:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"error: {tname}: cache size {frac} x footprint = {size} bytes is smaller than one "
                     f"recurrent state ({cm.state_bytes} bytes); pass larger --fracs"
                 )
-            hb = headroom_bound(reqs, size, cm, depths)
+            hb = headroom_bound(reqs, size, cm, profile)
             bounds.append(
                 {
                     "frac": frac,
@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                     "token_hit_rate": hb.token_hit_rate,
                     "flops_saved_frac": hb.flops_saved_frac,
                     "cap_tokens": hb.cap_tokens,
+                    "per_request_hit_rate": hb.per_request_hit_tokens / hb.input_tokens
+                    if hb.input_tokens
+                    else 0.0,
                 }
             )
             for pol in args.policies:

@@ -110,3 +110,37 @@ def test_warm_replay_score_starts_from_the_snapshot_and_leaves_it_untouched() ->
     assert (snap.bytes_used, snap.tree.num_nodes, snap.tree.clock) == before
     cold = simulate(trace[20:], "sparse", budget, COST, alpha=0.5, keep_records=False).flops_saved
     assert a > cold  # the warm cache already holds the documents the window asks about
+
+
+def test_fit_state_keeps_the_longest_prefix_that_fits_a_small_cache() -> None:
+    """A document longer than the whole cache: its end state can never be kept (its prefix does not
+    fit), so without the fit state nothing survives eviction and the next question on the document
+    misses. ``sparse`` also captures the deepest grid position within ``fit_tokens``; eviction
+    drops the unservable end state and cuts the leaf back to it, and the next visit resumes there."""
+    kv, st = COST.kv_bytes_per_token, COST.state_bytes
+    budget = st + 3000 * kv  # 3000 tokens of KV next to one state
+    doc = np.arange(10_000, 15_000, dtype=np.int32)  # 5000 tokens > fit
+    q1 = np.concatenate([doc, np.arange(20, 40, dtype=np.int32)])
+    q2 = np.concatenate([doc, np.arange(50, 70, dtype=np.int32)])
+    results = {}
+    for name, fit in (("fit", None), ("no_fit", 10**9)):
+        c = HybridCache("sparse", budget_bytes=budget, cost=COST, fit_tokens=fit)
+        assert name == "no_fit" or c.fit_tokens == 3000
+        m = c.match(q1)
+        c.observe(m)
+        plan = c.capture_plan(m, len(q1), len(q1) + 8)
+        assert (2944 in plan) == (name == "fit")  # 3000 // 64 * 64
+        c.insert(np.concatenate([q1, np.arange(8, dtype=np.int32)]), None, {p: p for p in plan})
+        c.evict_to_budget()
+        assert c.bytes_used <= budget
+        results[name] = c.match(q2).resume_depth
+    assert results == {"fit": 2944, "no_fit": 0}
+    with pytest.raises(ValueError, match="fit_tokens"):
+        HybridCache("sparse", budget_bytes=budget, cost=COST, fit_tokens=-1)
+
+
+def test_fit_state_survives_a_snapshot_copy() -> None:
+    c = HybridCache("sparse", budget_bytes=10**12, cost=COST, fit_tokens=1234)
+    assert HybridCache.from_snapshot(c.snapshot()).fit_tokens == 1234
+    d = HybridCache("sparse", budget_bytes=COST.state_bytes + 100 * COST.kv_bytes_per_token, cost=COST)
+    assert d.fit_tokens == 100 and HybridCache.from_snapshot(d.snapshot()).fit_tokens == 100

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -14,13 +15,16 @@ from benchmarks.serving_load import (
     Spread,
     claim,
     client_file_order,
+    config_base,
     equality_summary,
     fmt_ratio,
+    is_sparse_backend,
     paired_ratios,
     prefix_accounting,
     rate_points,
     ratio_spread,
     rotated,
+    server_args,
     sign_test_p,
     size_pools,
     spread,
@@ -233,3 +237,29 @@ def test_ttft_vs_prefill_gap_is_paired_per_repetition() -> None:
     # gaps: 0.5/0.6-1, 0.66/0.6-1, 0.5/0.6-1
     assert g["gap"]["per_rep"] == pytest.approx([0.5 / 0.6 - 1, 0.1, 0.5 / 0.6 - 1])
     assert g["gap"]["hi"] == pytest.approx(0.1) and g["gap"]["median"] == pytest.approx(0.5 / 0.6 - 1)
+
+
+def test_second_instance_runs_its_base_config_and_gets_an_aa_gap() -> None:
+    assert config_base("lru#2") == "lru" and config_base("sparse") == "sparse"
+    assert is_sparse_backend("lru#2") and not is_sparse_backend("native#b")
+    assert server_args("lru#2", 512, Path("t.jinja")) == server_args("lru", 512, Path("t.jinja"))
+    pt = RatePoint("2/s", 2.0)
+    runs = []
+    for rep, (t1, t2) in enumerate([(100.0, 110.0), (100.0, 90.0), (100.0, 105.0)]):
+        a = _run("2/s", "lru", rep, 1.0, ["x"])
+        b = _run("2/s", "lru#2", rep, 1.0, ["x"])
+        a.update(mean_ttft_ms=t1, prefilled_tokens=500)
+        b.update(mean_ttft_ms=t2, prefilled_tokens=500)
+        runs += [a, b]
+    v = summarize_workload(runs, ["lru", "lru#2"], ["lru"], [pt], 3, "minmax")["2/s"]["ttft_vs_prefill"]
+    assert set(v) == {"lru#2/lru"}
+    assert v["lru#2/lru"]["gap"]["per_rep"] == pytest.approx([0.10, -0.10, 0.05])
+
+
+def test_pooled_gap_uses_the_repetitions_totals() -> None:
+    from benchmarks.serving_load import _pooled_gap
+
+    # TTFT totals 300 vs 300, prefilled 500 vs 1000: TTFT did not follow a halved prefill
+    assert _pooled_gap([100.0, 200.0], [150.0, 150.0], [250, 250], [500, 500]) == pytest.approx(1.0)
+    assert _pooled_gap([None, 50.0], [60.0, 50.0], [1, 1], [1, 1]) == pytest.approx(0.0)  # rep 0 dropped
+    assert _pooled_gap([], [], [], []) is None

@@ -19,6 +19,11 @@ output tokens; positions ``<= len(input)`` are captured during prefill, deeper o
   Marconi does. Planned positions shallower than one grid step are not captured: such a state
   saves fewer than ``grid`` tokens per hit (e.g. a short chat-template header every request shares)
   for the bytes of a whole state, and being used by every request it would never age out.
+  *Fit state*: when the sequence is longer than the cache can hold (``total_len > fit``, ``fit`` =
+  the most KV tokens that fit with one state), every state past ``fit`` is unservable and would be
+  evicted with its whole leaf; ``sparse`` then also captures the deepest grid position ``<= fit``,
+  so eviction can cut the leaf back to that state and keep the longest prefix that does fit (a
+  document longer than a small cache, a long agent session).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def capture_positions(
     tail: TailPrior | None = None,
     tail_budget: int = 2,
     warmup: int = 5,
+    fit: int | None = None,
 ) -> list[int]:
     """Sorted positions in ``(match.resume_depth, total_len]`` to capture for this request."""
     if kind not in ADMISSIONS:
@@ -77,6 +83,10 @@ def capture_positions(
         else:
             learned.update(tail.positions(match.kv_depth, total_len, tail_budget))
         pos.update(p for p in learned if p >= grid or p == total_len)
+        if fit is not None and total_len > fit:
+            p = (fit // grid) * grid
+            if p >= grid:
+                pos.add(p)
     else:
         if total_len > 0:
             pos.add(total_len)

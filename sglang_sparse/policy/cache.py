@@ -43,7 +43,8 @@ class CacheSnapshot:
     ``grid``); ``policy``: the policy name or spec; ``budget_bytes`` (bytes, KV + states);
     ``cost``: the cost model (``None`` for policies that are not FLOP-aware); ``alpha``: the
     eviction weight in use (>= 0); ``min_cut_gain`` (tokens); ``tail``: the learned
-    :class:`TailPrior` (``None`` = a fresh one). Engines that keep their own tree build ``tree``
+    :class:`TailPrior` (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None`` =
+    derived from the budget). Engines that keep their own tree build ``tree``
     with :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest from their config.
     """
 
@@ -54,6 +55,7 @@ class CacheSnapshot:
     alpha: float = 0.0
     min_cut_gain: int = 0
     tail: TailPrior | None = None
+    fit_tokens: int | None = None
 
 
 class HybridCache:
@@ -79,6 +81,7 @@ class HybridCache:
         plan_budget: int = 4,
         grid: int = DEFAULT_GRID,
         min_cut_gain: int = 0,
+        fit_tokens: int | None = None,
     ) -> None:
         self.spec = get_policy(policy)
         if cost is not None:
@@ -114,6 +117,18 @@ class HybridCache:
         #: engine cost model of captures inside a prefill (tokens); see :meth:`capture_plan`
         self.min_cut_gain = int(min_cut_gain)
         self.tail = TailPrior(gamma, grid=grid)
+        if fit_tokens is not None and fit_tokens < 0:
+            raise ValueError(f"fit_tokens must be >= 0, got {fit_tokens}")
+        #: the most KV tokens the cache can hold next to one state (tokens): a sequence longer than
+        #: this gets a *fit state* at the deepest grid position within it (see :mod:`.admission`).
+        #: Default ``(budget_bytes - state_bytes) // kv_bytes_per_token``; an engine whose KV pool
+        #: is smaller than that (SGLang: KV and states in separate pools) passes its pool size.
+        self.fit_tokens: int | None = (
+            int(fit_tokens)
+            if fit_tokens is not None
+            else ((self.budget_bytes - state_bytes) // kv_bytes_per_token if kv_bytes_per_token else None)
+        )
+        self._fit_given = fit_tokens is not None
         self.evictor = Evictor(
             self.tree,
             self.spec.eviction,
@@ -134,6 +149,7 @@ class HybridCache:
             alpha=self.alpha,
             min_cut_gain=self.min_cut_gain,
             tail=copy.deepcopy(self.tail),
+            fit_tokens=self.fit_tokens if self._fit_given else None,
         )
 
     @classmethod
@@ -161,6 +177,7 @@ class HybridCache:
             plan_budget=t.plan_budget,
             grid=t.grid,
             min_cut_gain=snap.min_cut_gain,
+            fit_tokens=snap.fit_tokens,
         )
         cache.tree = RadixTree.from_snapshot(t, kv_ops=kv_ops, law_provider=law_provider)
         cache.evictor.tree = cache.tree
@@ -221,6 +238,7 @@ class HybridCache:
             grid=self.grid,
             block=self.spec.block,
             tail=self.tail,
+            fit=self.fit_tokens,
         )
         if self.min_cut_gain <= 0:
             return pos

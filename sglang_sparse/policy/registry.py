@@ -16,7 +16,9 @@ sparse         DP plan on the path + Marconi branch   per component (leaves whol
                point + learned tail prior on the new  own recency as a resume point) + alpha *
                leaf (last token only if requests      FLOPs/byte, alpha tuned by warm replay;
                continue leaves); no learned position  states that cannot fit with their prefix go
-               shallower than one grid step           first
+               shallower than one grid step; a fit    first (the leaf is cut back to the next
+               state at the deepest grid point that   state)
+               fits when the sequence does not
 sparse_law     DP plan + Marconi                      recency + alpha * law-weighted FLOPs/byte,
                                                       thins interior checkpoints (experimental)
 oracle         as sparse, per-edge law = the whole    as sparse (simulator only: needs a law

@@ -401,7 +401,12 @@ def sparse_cache_factory(ctx: Any):
         config = dataclasses.replace(config, min_cut_gain=0 if capture == "forward" else CUT_MIN_GAIN)
     config = dataclasses.replace(config, capture=capture)
     policy = TreePolicy(
-        config, budget_bytes=budget, cost=cost, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes
+        config,
+        budget_bytes=budget,
+        cost=cost,
+        kv_bytes_per_token=kv_bytes,
+        state_bytes=state_bytes,
+        fit_tokens=kv_tokens,  # KV and states live in separate pools: no prefix longer than the KV pool fits
     )
 
     def build(params):

@@ -115,9 +115,12 @@ class TreePolicy:
         cost: ModelCostModel | None = None,
         kv_bytes_per_token: int | None = None,
         state_bytes: int | None = None,
+        fit_tokens: int | None = None,
         root_id: int = 0,
     ) -> None:
         self.config = config
+        #: KV tokens the engine's pool holds (the fit-state limit of :class:`HybridCache`)
+        self.fit_tokens = None if fit_tokens is None else int(fit_tokens)
         self.spec = get_policy(config.policy)
         self.cost = cost
         self._kv_bytes = int(
@@ -147,6 +150,7 @@ class TreePolicy:
             plan_budget=self.config.edge_budget,
             grid=self.config.grid,
             min_cut_gain=self.config.min_cut_gain or 0,  # None (auto) outside the factory: 0
+            fit_tokens=self.fit_tokens,
         )
         if tree is not cache.tree:
             cache.tree = tree
@@ -537,6 +541,7 @@ class TreePolicy:
             alpha=self.cache.alpha,
             min_cut_gain=self.cache.min_cut_gain,
             tail=copy.deepcopy(self.cache.tail),
+            fit_tokens=self.fit_tokens,
         )
 
     # ------------------------------------------------------------------ stats

@@ -1,6 +1,6 @@
 """Trace replay of the cache policies (same code path as the SGLang adapter)."""
 
-from .bound import HeadroomBound, headroom_bound, reuse_depths
+from .bound import HeadroomBound, ReuseProfile, headroom_bound, reuse_depths, reuse_profile
 from .models import MODEL_CONFIGS, QWEN3_NEXT_80B_A3B, cost_model
 from .oracle import OracleLaw
 from .published import simulate_published
@@ -10,6 +10,7 @@ from .trace import SimRequest, load_trace
 
 __all__ = [
     "HeadroomBound",
+    "ReuseProfile",
     "MODEL_CONFIGS",
     "QWEN3_NEXT_80B_A3B",
     "SHAPES",
@@ -21,6 +22,7 @@ __all__ = [
     "headroom_bound",
     "load_trace",
     "reuse_depths",
+    "reuse_profile",
     "simulate",
     "simulate_published",
     "synthetic_trace",
