@@ -70,7 +70,11 @@ earlier sequence reused, at least its last token computed).
 TTFT vs prefill work: per rate point, ``ttft_vs_prefill`` pairs ``sparse`` with ``lru``, ``native``
 and ``marconi``: per repetition the ratio of mean TTFT, the ratio of prefilled tokens and their
 ``gap`` (TTFT ratio / prefilled ratio - 1). Read it at the lowest rate, where requests rarely
-queue; under load queueing makes TTFT non-linear in the prefill work.
+queue; under load queueing makes TTFT non-linear in the prefill work. TTFT also has a fixed part per
+request (~30 ms on the tiny CPU model), so the gap reads high whenever the prefilled ratio is well
+below 1 (vs native); ``benchmarks/ttft_paired.py`` pairs requests one by one and reports the TTFT
+difference at equal work. Single runs drift by 10-15% here: add ``NAME#2`` servers (A/A) and read
+``pooled_gap``.
 
 A storm (every request at once, nothing capping the requests in flight):
 ``--rates inf --max-concurrency 0`` (e.g. ``--workloads doc_qa --requests 500 --configs

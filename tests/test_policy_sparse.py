@@ -144,3 +144,19 @@ def test_fit_state_survives_a_snapshot_copy() -> None:
     assert HybridCache.from_snapshot(c.snapshot()).fit_tokens == 1234
     d = HybridCache("sparse", budget_bytes=COST.state_bytes + 100 * COST.kv_bytes_per_token, cost=COST)
     assert d.fit_tokens == 100 and HybridCache.from_snapshot(d.snapshot()).fit_tokens == 100
+
+
+def test_fit_state_leaves_room_for_the_branch_point_and_replaces_learned_positions() -> None:
+    kv, st = COST.kv_bytes_per_token, COST.state_bytes
+    state_tok = -(-st // kv)
+    c = HybridCache("sparse", budget_bytes=st + 8000 * kv, cost=COST)
+    assert c.fit_tokens == 8000
+    a = np.arange(100_000, 109_000, dtype=np.int32)
+    c.insert(a, None, {})
+    b = np.concatenate([a[:1000], np.arange(200_000, 208_000, dtype=np.int32)])  # splits A at 1000
+    m = c.match(b)
+    assert m.kv_depth == 1000 and m.resume_depth == 0
+    plan = c.capture_plan(m, len(b), len(b) + 4)
+    fit_pos = ((8000 - state_tok) // 64) * 64  # room for the branch point's state too
+    assert 960 in plan and fit_pos in plan
+    assert [p for p in plan if p <= 8000] == [960, fit_pos]  # nothing else below the fit

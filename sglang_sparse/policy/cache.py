@@ -239,6 +239,9 @@ class HybridCache:
             block=self.spec.block,
             tail=self.tail,
             fit=self.fit_tokens,
+            state_tokens=-(-self.tree.state_bytes // self.tree.kv_bytes_per_token)
+            if self.tree.kv_bytes_per_token
+            else 0,
         )
         if self.min_cut_gain <= 0:
             return pos
