@@ -159,6 +159,11 @@ def config_base(name: str) -> str:
     return name.split("#", 1)[0]
 
 
+def aa_pairs(configs: Sequence[str]) -> list[tuple[str, str]]:
+    """``(second, first)`` for every second instance in ``configs`` (``("lru#2", "lru")``)."""
+    return [(c, config_base(c)) for c in configs if c != config_base(c)]
+
+
 def is_sparse_backend(name: str) -> bool:
     """Does server ``name`` run the sparse backend (its /server_info carries sparse statistics)?"""
     return config_base(name) in SPARSE_BACKEND
@@ -836,7 +841,7 @@ def ttft_vs_prefill(
     queueing is light (the lowest rate or one request in flight); under heavy load queueing makes
     TTFT non-linear in prefill work."""
     out: dict[str, Any] = {}
-    pairs = [*TTFT_PAIRS, *((c, config_base(c)) for c in configs if c != config_base(c))]
+    pairs = [*TTFT_PAIRS, *aa_pairs(configs)]
     for a, b in pairs:
         if a not in configs or b not in configs:
             continue

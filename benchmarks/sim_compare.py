@@ -111,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     "token_hit_rate": hb.token_hit_rate,
                     "flops_saved_frac": hb.flops_saved_frac,
                     "cap_tokens": hb.cap_tokens,
-                    "per_request_hit_rate": hb.per_request_hit_tokens / hb.input_tokens
-                    if hb.input_tokens
-                    else 0.0,
+                    "per_request_hit_rate": hb.per_request_hit_rate,
                 }
             )
             for pol in args.policies:

@@ -46,6 +46,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.serving_load import (  # noqa: E402
     CONFIGS,
+    _pooled_gap,
+    aa_pairs,
     build_custom,
     config_base,
     flush,
@@ -110,17 +112,20 @@ def pair_summary(rows: Sequence[dict[str, Any]], a: str, b: str, *, seed: int = 
     if not pairs:
         return None
 
-    def gap(ps: Sequence[tuple[dict, dict]]) -> float:
-        ta = sum(x["ttft_ms"] for x, _ in ps)
-        tb = sum(y["ttft_ms"] for _, y in ps)
-        pa = sum(x["prompt_tokens"] - x["cached_tokens"] for x, _ in ps)
-        pb = sum(y["prompt_tokens"] - y["cached_tokens"] for _, y in ps)
-        return (ta / tb) / (pa / pb) - 1 if tb and pa and pb else float("nan")
+    def sums(ps: Sequence[tuple[dict, dict]]) -> list[list[float]]:
+        """Per request: TTFT of a, of b, prefilled tokens of a, of b."""
+        return [
+            [x["ttft_ms"] for x, _ in ps],
+            [y["ttft_ms"] for _, y in ps],
+            [x["prompt_tokens"] - x["cached_tokens"] for x, _ in ps],
+            [y["prompt_tokens"] - y["cached_tokens"] for _, y in ps],
+        ]
 
-    ta = sum(x["ttft_ms"] for x, _ in pairs)
-    tb = sum(y["ttft_ms"] for _, y in pairs)
-    pa = sum(x["prompt_tokens"] - x["cached_tokens"] for x, _ in pairs)
-    pb = sum(y["prompt_tokens"] - y["cached_tokens"] for _, y in pairs)
+    def gap(ps: Sequence[tuple[dict, dict]]) -> float:
+        g = _pooled_gap(*sums(ps))
+        return float("nan") if g is None else g
+
+    ta, tb, pa, pb = (sum(v) for v in sums(pairs))
     same = [x["ttft_ms"] - y["ttft_ms"] for x, y in pairs if x["cached_tokens"] == y["cached_tokens"]]
     out: dict[str, Any] = {
         "requests": len(pairs),
@@ -190,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for s in servers.values():
             s.stop()
     pairs = [p.split("/") for p in args.pairs.split(",") if p.strip()]
-    pairs += [[c, config_base(c)] for c in configs if c != config_base(c)]
+    pairs += aa_pairs(configs)
     summary = {
         f"{a}/{b}": pair_summary(rows, a, b, seed=args.seed)
         for a, b in pairs

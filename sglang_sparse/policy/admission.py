@@ -93,8 +93,7 @@ def capture_positions(
             # Room for the fit state: the prefix, this state and the branch point's. The learned
             # positions below it give way: they could not all stay next to it.
             keep = [b] if b is not None and lo < b <= fit else []
-            held = len(keep)
-            p = ((fit - held * state_tokens) // grid) * grid
+            p = ((fit - len(keep) * state_tokens) // grid) * grid
             if p >= grid and p > lo:
                 pos.difference_update([q for q in pos if lo < q <= fit and q not in keep])
                 pos.add(p)

@@ -43,9 +43,9 @@ class CacheSnapshot:
     ``grid``); ``policy``: the policy name or spec; ``budget_bytes`` (bytes, KV + states);
     ``cost``: the cost model (``None`` for policies that are not FLOP-aware); ``alpha``: the
     eviction weight in use (>= 0); ``min_cut_gain`` (tokens); ``tail``: the learned
-    :class:`TailPrior` (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None`` =
-    derived from the budget). Engines that keep their own tree build ``tree``
-    with :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest from their config.
+    :class:`TailPrior` (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None``:
+    derived from the budget). Engines that keep their own tree build ``tree`` with
+    :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest from their config.
     """
 
     tree: TreeSnapshot
@@ -128,7 +128,8 @@ class HybridCache:
             if fit_tokens is not None
             else ((self.budget_bytes - state_bytes) // kv_bytes_per_token if kv_bytes_per_token else None)
         )
-        self._fit_given = fit_tokens is not None
+        #: KV tokens one state's bytes would hold (room a fit state leaves per extra state)
+        self._state_tokens = -(-state_bytes // kv_bytes_per_token) if kv_bytes_per_token else 0
         self.evictor = Evictor(
             self.tree,
             self.spec.eviction,
@@ -149,7 +150,7 @@ class HybridCache:
             alpha=self.alpha,
             min_cut_gain=self.min_cut_gain,
             tail=copy.deepcopy(self.tail),
-            fit_tokens=self.fit_tokens if self._fit_given else None,
+            fit_tokens=self.fit_tokens,
         )
 
     @classmethod
@@ -239,9 +240,7 @@ class HybridCache:
             block=self.spec.block,
             tail=self.tail,
             fit=self.fit_tokens,
-            state_tokens=-(-self.tree.state_bytes // self.tree.kv_bytes_per_token)
-            if self.tree.kv_bytes_per_token
-            else 0,
+            state_tokens=self._state_tokens,
         )
         if self.min_cut_gain <= 0:
             return pos

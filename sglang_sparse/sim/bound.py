@@ -191,19 +191,11 @@ def headroom_bound(
         raise ValueError(f"a reuse profile of {len(profile.depths)} requests for {len(requests)}")
     free = cache_bytes - cost.state_bytes
     cap = max(0, free // cost.kv_bytes_per_token) if free >= 0 else 0
-    caps: list[int] = []
-    loose_hit = n_in = 0
-    loose_saved = total = 0.0
-    values: list[float] = []
-    for d, n in zip(profile.depths, profile.input_lens, strict=True):
-        h = min(int(d), cap, n)
-        caps.append(h)
-        n_in += n
-        loose_hit += h
-        v = cost.flops_saved(n, h)
-        values.append(v)
-        loose_saved += v
-        total += cost.prefill_flops(n)
+    caps = [min(int(d), cap, n) for d, n in zip(profile.depths, profile.input_lens, strict=True)]
+    values = [cost.flops_saved(n, h) for n, h in zip(profile.input_lens, caps, strict=True)]
+    n_in = sum(profile.input_lens)
+    total = sum(cost.prefill_flops(n) for n in profile.input_lens)
+    loose_hit, loose_saved = sum(caps), sum(values)
     packed = int(pack_intervals(profile.intervals, len(requests), int(cap)).sum())
     hit = min(packed, loose_hit)
     saved = min(fractional_knapsack(caps, values, hit), loose_saved)
