@@ -29,7 +29,8 @@ server doing only cache work); times are per call, in microseconds:
 
 Separate phases: the policy :class:`~sglang_sparse.policy.eviction.Evictor` evicting one leaf at
 alpha 0 and alpha 2 (incremental candidate index; its first call, which builds the index, is
-reported apart), and ``match`` on Python-list prompts (list -> int32 conversion).
+reported apart; at alpha 2 alternating with Marconi's min-max score, whose rounds skip the
+decayed score's logarithm), and ``match`` on Python-list prompts (list -> int32 conversion).
 
     python benchmarks/cache_ops.py [--quick] [--ops 2000] [--baseline-tree DIR] [--[no-]sglang]
 
@@ -48,6 +49,7 @@ import sys
 import time
 import warnings
 from array import array
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -351,19 +353,29 @@ def main(argv: list[str] | None = None) -> int:
             t_list_base.append(time.perf_counter() - a)
 
     # The policy evictor (incremental candidate index): the first call builds the index (timed
-    # apart), then single-leaf evictions back to back at alpha 0 (LRU) and alpha 2 (FLOP-aware).
+    # apart), then single-leaf evictions back to back at alpha 0 (LRU) and alpha 2 (FLOP-aware),
+    # the latter alternating between the policy's decayed-recency score and Marconi's min-max one
+    # (same candidates; the score's cost only).
     ev = sparse.cache.evictor
+    decayed_cfg = ev.config
+    minmax_cfg = replace(decayed_cfg, recency_scale=None)
     a = time.perf_counter()
     ev.evict(sparse.cache.bytes_used - 1)
     t_pol_build = [time.perf_counter() - a]
     t_pol: dict[float, list[float]] = {0.0: [], 2.0: []}
+    t_minmax: list[float] = []
     for alpha, ts in t_pol.items():
         sparse.cache.alpha = alpha
         ev.evict(sparse.cache.bytes_used - 1)  # untimed: the first round after an alpha change
         for _ in range(n_policy_evict):
-            a = time.perf_counter()
-            ev.evict(sparse.cache.bytes_used - 1)
-            ts.append(time.perf_counter() - a)
+            for cfg, out in (
+                ((decayed_cfg, ts), (minmax_cfg, t_minmax)) if alpha > 0 else ((decayed_cfg, ts),)
+            ):
+                ev.config = cfg
+                a = time.perf_counter()
+                ev.evict(sparse.cache.bytes_used - 1)
+                out.append(time.perf_counter() - a)
+    ev.config = decayed_cfg
     sparse.cache.alpha = 0.0
     sparse.tree.check()
 
@@ -380,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "structures": {s.name: {k: stats(v) for k, v in s.t.items() if v} for s in structs},
         "sparse_policy_evictor_one_leaf": stats(t_pol[0.0]),
         "sparse_policy_evictor_one_leaf_alpha2": stats(t_pol[2.0]),
+        "sparse_policy_evictor_one_leaf_alpha2_minmax": stats(t_minmax),
         "sparse_policy_evictor_first_call_builds_index": stats(t_pol_build),
         "sparse_match_list_input": stats(t_list),
         "sparse_list_to_int32": stats(t_conv),
@@ -398,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, key in (
         ("policy Evictor, 1 leaf, alpha 0", "sparse_policy_evictor_one_leaf"),
         ("policy Evictor, 1 leaf, alpha 2", "sparse_policy_evictor_one_leaf_alpha2"),
+        ("policy Evictor, 1 leaf, alpha 2, min-max score", "sparse_policy_evictor_one_leaf_alpha2_minmax"),
         ("policy Evictor, first call (index)", "sparse_policy_evictor_first_call_builds_index"),
     ):
         rows.append(

@@ -7,8 +7,8 @@ with :class:`Evictor`, the other with :class:`ReferenceEvictor`. After every ste
 (KV slices, state ids, in order), the byte counts and the whole trees (structure, handles, clocks,
 locks, versions, eviction index) must be identical, and the evictor's candidate index must equal a
 from-scratch computation (:meth:`CandidateIndex.verify`). Configs: every eviction config of the
-registry plus both ``ckpt_recency`` modes for every candidate scope, alpha 0 and > 0, budgets small
-enough for ``drop_unservable`` to fire.
+registry plus both ``ckpt_recency`` modes for every candidate scope, min-max and decayed recency,
+alpha 0 and > 0, budgets small enough for ``drop_unservable`` to fire.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from sglang_sparse.policy import POLICIES, HybridCache, PolicySpec
 from sglang_sparse.policy.eviction import CKPT, LEAF, EvictionConfig, Evictor, ScoredCandidate
+from sglang_sparse.policy.eviction_index import det_log1p
 from sglang_sparse.policy.eviction_reference import ReferenceEvictor
 from sglang_sparse.sim import cost_model
 from sglang_sparse.tree import Freed
@@ -42,7 +43,9 @@ _EXTRA = {
     for rec in ("node", "own")
     for val, du in (("marconi", True), ("law", False))
 }
-CONFIGS = sorted(_REGISTRY | _EXTRA, key=repr)
+# Decayed recency (recency_scale, ticks) on every per-checkpoint-clock config.
+_DECAYED = {replace(c, recency_scale=3.0) for c in _EXTRA if c.ckpt_recency == "own"}
+CONFIGS = sorted(_REGISTRY | _EXTRA | _DECAYED, key=repr)
 
 
 def make_cache(cfg: EvictionConfig, budget: int, admission: str = "sparse") -> HybridCache:
@@ -116,6 +119,15 @@ def reference_scores(ev: Evictor) -> dict[tuple[int, int, int], tuple[float, boo
     vs = [c[1] for *_, c in raw]
     rmin, rspan = min(rs), (max(rs) - min(rs)) or 1.0
     vmin, vspan = min(vs), (max(vs) - min(vs)) or 1.0
+    tau = ev.config.recency_scale
+    if tau is not None:  # decayed recency: (t - t_min) / tau + ln(1 + alpha * e)
+        return {
+            (n.uid, p, k): (
+                (c[0] - rmin) / tau + float(det_log1p(np.array([ev.alpha * (c[1] - vmin) / vspan]))[0]),
+                c[3],
+            )
+            for k, n, p, c in raw
+        }
     return {
         (n.uid, p, k): ((c[0] - rmin) / rspan + ev.alpha * (c[1] - vmin) / vspan, c[3]) for k, n, p, c in raw
     }
@@ -280,7 +292,9 @@ def run_ops(w: Workload, ops: list[tuple]) -> None:
 @pytest.mark.parametrize(
     "cfg",
     CONFIGS,
-    ids=lambda c: f"{c.node_states}-{c.ckpt_scope}-{c.ckpt_recency}-{c.value}-{c.drop_unservable}",
+    ids=lambda c: (
+        f"{c.node_states}-{c.ckpt_scope}-{c.ckpt_recency}-{c.value}-{c.drop_unservable}-{c.recency_scale}"
+    ),
 )
 @settings(
     max_examples=100,
@@ -356,6 +370,59 @@ def test_scores_api() -> None:
     assert key == sorted(key)
     assert all(0.0 <= s.score <= 2.0 for s in sc)
     assert make_cache(EvictionConfig(), budget=60).evictor.scores() == []
+
+
+def _stale_efficient_prefix(cfg: EvictionConfig, alpha: float, rounds: int) -> list[int]:
+    """An efficient leaf (a long prefix: more FLOPs saved per byte) cached once, then ``rounds``
+    requests on new short prefixes, each inserted and evicted to a budget that holds the long leaf
+    or one short leaf but not both. Returns the rounds whose short leaf survived its eviction."""
+    c = make_cache(cfg, budget=110)
+    c.alpha = alpha
+    c.insert([9] * 100, None, {100: "long"})
+    kept = []
+    for i in range(rounds):
+        seq = [i + 10] * 20
+        c.observe(c.match(seq))
+        c.insert(seq, None, {20: f"short{i}"})
+        c.evict_to_budget()
+        if c.match(seq).resume_depth == 20:
+            kept.append(i)
+    return kept
+
+
+def test_decayed_recency_bounds_how_long_efficiency_keeps_an_item() -> None:
+    """Min-max recency with two candidates is a rank: with ``alpha > 1`` the efficient old leaf
+    outscores every new one forever (each new leaf is evicted as soon as it is inserted). Decayed
+    recency evicts the old leaf once its clock is more than ``tau * ln(1 + alpha)`` ticks older (two
+    ticks per round here: match + insert); with ``alpha = 0`` both forms are LRU."""
+    minmax = replace(POLICIES["sparse"].eviction, recency_scale=None)
+    decayed = replace(POLICIES["sparse"].eviction, recency_scale=4.0)
+    assert _stale_efficient_prefix(minmax, 8.0, 30) == []
+    kept = _stale_efficient_prefix(decayed, 8.0, 30)
+    bound = 4.0 * math.log1p(8.0)  # ticks
+    first = kept[0]
+    assert kept == list(range(first, 30))  # once the old leaf is gone, the newest short leaf stays
+    # the old leaf (clock 1) goes at the first round whose insert (clock 2i + 3) is > bound newer
+    assert 2 * (first - 1) + 2 <= bound < 2 * first + 2
+    assert (
+        _stale_efficient_prefix(decayed, 0.0, 5) == _stale_efficient_prefix(minmax, 0.0, 5) == list(range(5))
+    )
+
+
+def test_det_log1p_is_log1p_and_length_independent() -> None:
+    """The decayed score's logarithm: within 1e-15 of ``math.log1p``, exactly 0 at 0, monotone, and
+    the same bits for a value whatever array it is computed in (the scalar path of a round uses a
+    1-element array, the index the whole column)."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([[0.0, 5e-324, 1e-17, 1e-9, 0.5, 1.0, 8.0, 1e6], rng.random(20000) * 8])
+    got = det_log1p(x)
+    assert np.max(np.abs(got - np.array([math.log1p(v) for v in x]))) < 1e-15
+    assert got[0] == 0.0
+    dense = det_log1p(np.linspace(0.0, 8.0, 200001))
+    assert np.all(np.diff(dense) >= 0)
+    singles = np.array([det_log1p(np.array([v]))[0] for v in x[:500]])
+    assert np.array_equal(singles, got[:500])
+    assert np.array_equal(det_log1p(x[3:1003]), got[3:1003])
 
 
 def test_invalidate_after_direct_field_writes() -> None:

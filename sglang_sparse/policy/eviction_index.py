@@ -57,6 +57,7 @@ apply the reference's float operations elementwise (IEEE-exact in numpy, no fuse
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,63 @@ def _signature(node: Node) -> tuple:
         tuple(node.checkpoints.items()),
         tuple(node.ckpt_access.items()),
     )
+
+
+#: ``(rmin, rspan, vmin, vspan)``: a round's normalisation constants (see :func:`round_constants`)
+Constants = tuple[float, float, float, float]
+
+
+def round_constants(
+    rec_min: float, rec_max: float, val_min: float, val_max: float, recency_scale: float | None
+) -> Constants:
+    """A round's normalisation: recency ``(t - rmin) / rspan`` (``rspan`` = ``recency_scale`` ticks
+    when set, else the recency range), efficiency ``(v - vmin) / vspan`` (its range); a zero range
+    is replaced by 1."""
+    rspan = recency_scale if recency_scale is not None else (rec_max - rec_min) or 1.0
+    return rec_min, rspan, val_min, (val_max - val_min) or 1.0
+
+
+_LN2 = 0.6931471805599453
+_SQRT_HALF = 0.7071067811865476
+#: ``1 / (2k + 1)``, k = 11 .. 0: the atanh series of :func:`det_log1p`, Horner order
+_ATANH_COEFFS = tuple(1.0 / (2 * k + 1) for k in range(11, -1, -1))
+
+
+def det_log1p(x: np.ndarray) -> np.ndarray:
+    """``ln(1 + x)`` for ``x >= 0`` (float64 array) from IEEE basic operations only (``frexp``, ``+``,
+    ``-``, ``*``, ``/``, each correctly rounded), so bitwise identical on every machine and for every
+    array length: numpy's own ``log1p`` may use SIMD kernels (SVML) that differ from libm in the
+    last bit by CPU generation, and a score that differs by one ulp across TP ranks could order two
+    candidates differently. ``1 + x = m * 2**e`` with ``m`` in ``[sqrt(1/2), sqrt(2))``,
+    ``ln m = 2 atanh(s)``, ``s = (m - 1) / (m + 1)`` in ``(-0.172, 0.172)``, 12 series terms:
+    absolute error below ``1e-15`` (``x = 0`` gives exactly 0)."""
+    m, e = np.frexp(1.0 + x)
+    low = m < _SQRT_HALF
+    m = np.where(low, m * 2.0, m)
+    e = e - low
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    acc = np.full_like(s, _ATANH_COEFFS[0])
+    for c in _ATANH_COEFFS[1:]:
+        acc *= s2
+        acc += c
+    return e * _LN2 + 2.0 * s * acc
+
+
+def candidate_score(c: tuple[float, float, int, bool], k: Constants, alpha: float, decayed: bool) -> float:
+    """Score of one candidate's terms ``c = (recency, FLOPs/byte, bytes, unservable)`` under the
+    round's constants ``k`` (``-inf`` if unservable). ``decayed``: the efficiency enters as
+    ``ln(1 + alpha * e)`` (:func:`det_log1p`; ``e`` clamped at 0: a candidate exposed during a
+    round can lie below the round's minimum), else as ``alpha * e``.
+    :meth:`CandidateIndex.round_scores` computes the same values vectorised, with the same float
+    operations."""
+    if c[3]:
+        return -math.inf
+    rmin, rspan, vmin, vspan = k
+    r = (c[0] - rmin) / rspan
+    if decayed:
+        return r + float(det_log1p(np.array([max(0.0, alpha * (c[1] - vmin) / vspan)]))[0])
+    return r + alpha * (c[1] - vmin) / vspan
 
 
 class CandidateIndex:
@@ -185,9 +243,13 @@ class CandidateIndex:
     # ------------------------------------------------------------------ per-node terms
 
     def _params(self) -> tuple:
-        """What every row depends on besides the tree's contents (compared by identity/value)."""
+        """What every row depends on besides the tree's contents (compared by identity/value). The
+        config's ``recency_scale`` is not among them: it changes how a round combines the terms,
+        not the terms."""
         ev = self.ev
-        return (ev.tree, ev.config, ev.cost, ev.capacity_bytes)
+        c = ev.config
+        terms = (c.node_states, c.ckpt_scope, c.ckpt_recency, c.value, c.drop_unservable)
+        return (ev.tree, terms, ev.cost, ev.capacity_bytes)
 
     def _params_changed(self) -> bool:
         old, new = self.params, self._params()
@@ -456,27 +518,34 @@ class CandidateIndex:
         """``(score, key, (rmin, rspan, vmin, vspan))`` over rows ``0 .. n-1`` (``n > 0``; the arrays
         are work buffers, overwritten by the next call).
 
-        ``score = (rec - rmin) / rspan + alpha * (val - vmin) / vspan`` with the reference's min-max
-        constants and float operations; ``key`` is ``score`` with ``-inf`` for unservable rows (the
-        round's heap key). With ``alpha == 0`` the efficiency term is exactly ``+0.0`` in the
-        reference (all values are 0 there), so it is omitted (``x + 0.0 == x`` for ``x >= 0``).
+        ``score`` is :func:`candidate_score` of every row with the reference's constants
+        (:func:`round_constants`) and float operations: ``(rec - rmin) / rspan`` plus
+        ``alpha * (val - vmin) / vspan``, or its :func:`det_log1p` under decayed recency (never negative
+        here: ``val >= vmin`` on every row). ``key`` is ``score`` with ``-inf`` for unservable rows
+        (the round's heap key). With ``alpha == 0`` the efficiency term is exactly ``+0.0`` in the
+        reference (all values are 0 there; ``det_log1p(0.0) == 0.0``), so it is omitted
+        (``x + 0.0 == x`` for ``x >= 0``).
         """
         n = self.n
         rec = self.rec[:n]
-        rmin, rmax = float(rec.min()), float(rec.max())
-        rspan = (rmax - rmin) or 1.0
+        cfg = self.ev.config
+        if alpha > 0:
+            val = self.val[:n]
+            consts = round_constants(
+                float(rec.min()), float(rec.max()), float(val.min()), float(val.max()), cfg.recency_scale
+            )
+        else:
+            consts = round_constants(float(rec.min()), float(rec.max()), 0.0, 0.0, cfg.recency_scale)
+        rmin, rspan, vmin, vspan = consts
         score = np.subtract(rec, rmin, out=self._score[:n])
         score /= rspan
         if alpha > 0:
-            val = self.val[:n]
-            vmin, vmax = float(val.min()), float(val.max())
-            vspan = (vmax - vmin) or 1.0
             t = np.subtract(val, vmin, out=self._tmp[:n])
             t *= alpha
             t /= vspan
+            if cfg.recency_scale is not None:
+                t = det_log1p(t)
             score += t
-        else:
-            vmin, vspan = 0.0, 1.0
         dead = self.dead[:n]
         key = self._key[:n]
         np.copyto(key, score)

@@ -11,11 +11,11 @@ identical trees; the benchmark uses it as the "before" timing. Not used by the p
 from __future__ import annotations
 
 import heapq
-import math
 
 from sglang_sparse.tree import Freed, Node
 
 from .eviction import CKPT, LEAF, NODE_STATES, CandidateTerms
+from .eviction_index import candidate_score, round_constants
 
 __all__ = ["CKPT", "LEAF", "NODE_STATES", "ReferenceEvictor"]
 
@@ -40,13 +40,11 @@ class ReferenceEvictor(CandidateTerms):
             return False
         rs = [c[0] for *_, c in raw]
         vs = [c[1] for *_, c in raw]
-        rmin, rspan = min(rs), (max(rs) - min(rs)) or 1.0
-        vmin, vspan = min(vs), (max(vs) - min(vs)) or 1.0
+        consts = round_constants(min(rs), max(rs), min(vs), max(vs), self.config.recency_scale)
+        decayed = self.config.recency_scale is not None
 
         def score(c: tuple[float, float, int, bool]) -> float:
-            if c[3]:
-                return -math.inf
-            return (c[0] - rmin) / rspan + self.alpha * (c[1] - vmin) / vspan
+            return candidate_score(c, consts, self.alpha, decayed)
 
         heap = [(score(c), node.uid, pos, kind, node, node.version) for kind, node, pos, c in raw]
         heapq.heapify(heap)

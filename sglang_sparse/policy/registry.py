@@ -13,12 +13,13 @@ sglang_native  Marconi (chunk-aligned branch + last)  per-component LRU: leaves 
 sparse_dp      DP plan + last token                   LRU (leaves, node states, interior checkpoints
                                                       by their own recency)
 sparse         DP plan on the path + Marconi branch   per component (leaves whole, every state by its
-               point + learned tail prior on the new  own recency as a resume point) + alpha *
-               leaf (last token only if requests      FLOPs/byte, alpha tuned by warm replay;
-               continue leaves); no learned position  states that cannot fit with their prefix go
-               shallower than one grid step; a fit    first (the leaf is cut back to the next
-               state at the deepest grid point that   state)
-               fits when the sequence does not
+               point + learned tail prior on the new  own recency as a resume point), decayed
+               leaf (last token only if requests      recency + ln(1 + alpha * FLOPs/byte): an
+               continue leaves); no learned position  item outlives a newer one by at most
+               shallower than one grid step; a fit    tau * ln(1 + alpha) ticks; alpha tuned by
+               state at the deepest grid point that   warm replay; states that cannot fit with
+               fits when the sequence does not        their prefix go first (the leaf is cut back
+                                                      to the next state)
 sparse_law     DP plan + Marconi                      recency + alpha * law-weighted FLOPs/byte,
                                                       thins interior checkpoints (experimental)
 oracle         as sparse, per-edge law = the whole    as sparse (simulator only: needs a law
@@ -72,9 +73,19 @@ _MARCONI_EVICT = EvictionConfig(node_states=True, ckpt_scope="none", ckpt_recenc
 # leaves whole, as SGLang's MambaComponent does) plus Marconi's FLOP-aware term. Measured on the
 # traces: node-level recency keeps obsolete interior states of live agent sessions (every turn walks
 # their path), and letting the tuner switch granularity per window was unstable (agent at 20% of the
-# footprint: 0.29 vs 0.46 token hit rate), so the granularity is fixed.
+# footprint: 0.29 vs 0.46 token hit rate), so the granularity is fixed. Recency decays on a scale of
+# SPARSE_RECENCY_SCALE ticks (:mod:`.eviction`): Marconi's min-max recency let alpha keep an
+# efficient item forever (see docs/sparse_backend.md, "Eviction score", for the measured effect).
+#: decayed-recency time scale of ``sparse`` (logical ticks; the simulator ticks twice per request,
+#: at match and at insert: 20 ticks = 10 requests)
+SPARSE_RECENCY_SCALE = 20.0
 _SPARSE_EVICT = EvictionConfig(
-    node_states=False, ckpt_scope="all", ckpt_recency="own", value="marconi", drop_unservable=True
+    node_states=False,
+    ckpt_scope="all",
+    ckpt_recency="own",
+    value="marconi",
+    drop_unservable=True,
+    recency_scale=SPARSE_RECENCY_SCALE,
 )
 SPARSE_LAW_EVICT = EvictionConfig(node_states=True, ckpt_scope="interior", ckpt_recency="own", value="law")
 
