@@ -19,7 +19,7 @@ the efficiency ``e`` min-max normalised to ``[0, 1]`` and ``t`` a candidate's cl
   than ``tau * ln(1 + alpha)`` ticks newer, whatever their efficiencies. Min-max recency has no such
   bound: with few candidates it is a rank, and ``alpha > 1`` then keeps an efficient item forever
   while every new one is evicted as soon as it is inserted (doc_qa at 10% of the footprint: an old
-  24.8k-token document prefix kept through 50 requests on other documents, each re-prefilled).
+  24.8k-token document prefix kept while the next 41 requests, on other documents, all missed).
 
 ``alpha = 0`` is pure LRU in both forms. Recency is a logical clock: ``node.last_access`` for
 leaf/node candidates; for checkpoints either their own clock (``ckpt_recency="own"``: created or last
