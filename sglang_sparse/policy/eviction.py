@@ -15,8 +15,9 @@ the efficiency ``e`` min-max normalised to ``[0, 1]`` and ``t`` a candidate's cl
 * Marconi (``recency_scale=None``): ``S = t' + alpha * e`` with ``t'`` min-max normalised too.
 * Decayed recency (``recency_scale=tau``, logical ticks): ``S = (t - t_min) / tau + ln(1 + alpha *
   e)``, the log of ``exp(-age / tau) * (1 + alpha * e)``: a reuse chance that decays with age times
-  the value of a hit. Invariant: a candidate is evicted before every candidate whose clock is more
-  than ``tau * ln(1 + alpha)`` ticks newer, whatever their efficiencies. Min-max recency has no such
+  the value of a hit. Invariant (servable candidates of one round): a candidate is evicted before
+  every candidate whose clock is more than ``tau * ln(1 + alpha)`` ticks newer, whatever their
+  efficiencies. Min-max recency has no such
   bound: with few candidates it is a rank, and ``alpha > 1`` then keeps an efficient item forever
   while every new one is evicted as soon as it is inserted (doc_qa at 10% of the footprint: an old
   24.8k-token document prefix kept while the next 41 requests, on other documents, all missed).
