@@ -35,7 +35,6 @@ import argparse
 import json
 import random
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,41 +58,14 @@ from benchmarks.serving_load import (  # noqa: E402
 DEFAULT_PAIRS = ("sparse/lru", "sparse/native", "lru/native")
 
 
-def stream_ttft(
-    url: str, input_ids: Sequence[int], output_len: int, timeout: float = 300.0
-) -> dict[str, Any]:
-    """Send one greedy ``/generate`` with ``stream``; return ``ttft_ms`` (to the first chunk that
-    carries output), ``prompt_tokens`` and ``cached_tokens`` (from the last chunk's meta_info)."""
-    import requests
-
-    payload = {
-        "input_ids": list(input_ids),
-        "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
-        "stream": True,
-    }
-    t0 = time.perf_counter()
-    ttft = None
-    last: dict[str, Any] = {}
-    with requests.post(f"{url}/generate", json=payload, stream=True, timeout=timeout) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"/generate returned HTTP {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line or not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            if ttft is None and (chunk.get("output_ids") or chunk.get("text")):
-                ttft = (time.perf_counter() - t0) * 1000.0
-            last = chunk
-    meta = last.get("meta_info", {})
-    if ttft is None:
-        raise RuntimeError("the stream ended without output")
+def stream_ttft(server: Any, input_ids: Sequence[int], output_len: int) -> dict[str, Any]:
+    """One greedy streamed request (:meth:`SGLangServer.generate_streaming`): ``ttft_ms``,
+    ``prompt_tokens`` and ``cached_tokens`` (from the last chunk's meta_info)."""
+    ttft, res = server.generate_streaming(input_ids, output_len)
     return {
-        "ttft_ms": ttft,
-        "prompt_tokens": int(meta.get("prompt_tokens", len(input_ids))),
-        "cached_tokens": int(meta.get("cached_tokens", 0)),
+        "ttft_ms": ttft * 1000.0,
+        "prompt_tokens": res.prompt_tokens or len(input_ids),
+        "cached_tokens": res.cached_tokens,
     }
 
 
@@ -187,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for i, prompt in enumerate(wl.prompts):
                 row: dict[str, Any] = {"rep": rep, "request": i}
                 for c in rotated(configs, i + rep):
-                    row[c] = stream_ttft(servers[c].url, prompt, wl.output_len)
+                    row[c] = stream_ttft(servers[c], prompt, wl.output_len)
                     bar.update(1)
                 rows.append(row)
     finally:

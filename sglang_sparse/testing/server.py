@@ -74,6 +74,18 @@ class GenerateResult:
         return int(self.meta.get("prompt_tokens") or 0)
 
 
+def _generate_payload(
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling_params: Mapping[str, Any] | None,
+    extra: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A greedy ``/generate`` body from token ids (``ignore_eos``; ``sampling_params`` override)."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+    params.update(sampling_params or {})
+    return {"input_ids": list(input_ids), "sampling_params": params, **extra}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A currently free TCP port on ``host``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -228,15 +240,50 @@ class SGLangServer:
         **extra: Any,
     ) -> GenerateResult:
         """Greedy ``/generate`` from token ids; raises ``ServerError`` on a non-200 answer."""
-        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-        params.update(sampling_params or {})
         r = self.post(
-            "/generate", {"input_ids": list(input_ids), "sampling_params": params, **extra}, timeout=timeout
+            "/generate", _generate_payload(input_ids, max_new_tokens, sampling_params, extra), timeout=timeout
         )
         if r.status_code != 200:
             raise ServerError(f"/generate returned HTTP {r.status_code}: {r.text[:2000]}")
         body = r.json()
         return GenerateResult(output_ids=list(body["output_ids"]), meta=dict(body.get("meta_info", {})))
+
+    def generate_streaming(
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int = 8,
+        *,
+        sampling_params: Mapping[str, Any] | None = None,
+        timeout: float = 300.0,
+    ) -> tuple[float, GenerateResult]:
+        """:meth:`generate` with ``stream``: ``(ttft_seconds, result)``. TTFT runs from sending the
+        request to the first streamed chunk that carries output, measured in this process; the
+        result holds the last chunk's output ids (cumulative: SGLang's default streaming) and
+        ``meta_info``. Raises ``ServerError`` on a non-200 answer or a stream without output."""
+        import json
+
+        import requests
+
+        payload = _generate_payload(input_ids, max_new_tokens, sampling_params, {"stream": True})
+        t0 = time.perf_counter()
+        ttft: float | None = None
+        last: dict[str, Any] = {}
+        with requests.post(f"{self.url}/generate", json=payload, stream=True, timeout=timeout) as r:
+            if r.status_code != 200:
+                raise ServerError(f"/generate returned HTTP {r.status_code}: {r.text[:2000]}")
+            for line in r.iter_lines():
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if ttft is None and (chunk.get("output_ids") or chunk.get("text")):
+                    ttft = time.perf_counter() - t0
+                last = chunk
+        if ttft is None:
+            raise ServerError("the /generate stream ended without output")
+        return ttft, GenerateResult(list(last.get("output_ids") or []), dict(last.get("meta_info", {})))
 
     def sparse_stats(self, timeout: float = 120.0) -> dict[str, Any]:
         """The ``sparse_cache`` statistics of TP rank 0 (``/server_info`` internal states).

@@ -11,6 +11,7 @@ server, greedy tokens and prefix reuse. Skips when torch/sglang/transformers or 
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,23 @@ class TestHTTPServer:
             out = server.generate(prompt, NEW_TOKENS)
             assert 0 < out.cached_tokens <= len(SHARED_PREFIX), out.meta
             assert out.output_ids == expected[tuple(prompt)]
+
+    def test_streaming_reports_ttft_tokens_and_cache(self, server: SGLangServer, expected) -> None:
+        """``generate_streaming`` (what ``benchmarks/ttft_paired.py`` times): the same greedy tokens
+        and meta_info as ``generate`` (cached tokens included), a first-chunk time inside the
+        request's wall time."""
+        prompt = PROMPTS[3]
+        t0 = time.perf_counter()
+        ttft, out = server.generate_streaming(prompt, NEW_TOKENS)
+        wall = time.perf_counter() - t0
+        assert out.output_ids == expected[tuple(prompt)]
+        assert out.prompt_tokens == len(prompt)
+        assert 0 < ttft <= wall
+        # a prompt extending the whole first sequence reuses it (no_buffer: a state at its end)
+        longer = prompt + out.output_ids + [17, 18]
+        _, ext = server.generate_streaming(longer, NEW_TOKENS)
+        assert ext.prompt_tokens == len(longer)
+        assert len(prompt) <= ext.cached_tokens < len(longer), ext.meta
 
     @pytest.mark.parametrize(
         "name,input_ids,message",
