@@ -9,7 +9,10 @@ rate and FLOPs saved vs cache size per policy) and prints a table. Needs the bui
 The policies are the registry's cache policies plus the published baselines of the Marconi paper
 (``sglang_plus_published``, ``marconi_published``, ``vllm_plus_published``; see
 ``sglang_sparse.policy.published``), which keep the reference simulator's soft cap: their
-``max_bytes_used`` can exceed the cache size.
+``max_bytes_used`` can exceed the cache size, and ``offline`` (``sglang_sparse.sim.offline``): a
+reference that knows the future, within the budget. Every row carries its share of the headroom
+bound (an upper bound) and of ``offline`` (a reachable schedule): ``sparse / offline`` says how much
+of what a policy with future knowledge gets an online policy already gets.
 
     python benchmarks/sim_compare.py [--quick] [--traces doc_qa system_prompts agent] [--policies ...]
     python benchmarks/sim_compare.py --trace my_trace.jsonl [--trace other.jsonl] [--fracs 0.1 0.3]
@@ -30,13 +33,23 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
 
 from benchmarks._common import REPO, results_dir  # noqa: E402
 from sglang_sparse.policy import POLICY_NAMES, PUBLISHED_NAMES  # noqa: E402
-from sglang_sparse.sim import OracleLaw, cost_model, load_trace, simulate, synthetic_trace  # noqa: E402
+from sglang_sparse.sim import (  # noqa: E402
+    OFFLINE_POLICIES,
+    FutureIndex,
+    OracleLaw,
+    cost_model,
+    load_trace,
+    simulate,
+    synthetic_trace,
+)
 from sglang_sparse.sim.bound import headroom_bound, reuse_profile  # noqa: E402
 
 FULL_FRACS = (0.05, 0.1, 0.2, 0.3, 0.5)
 QUICK_FRACS = (0.1, 0.3)
 DEFAULT_TRACES = ("doc_qa", "system_prompts", "agent", "rag")
-DEFAULT_POLICIES = tuple(p for p in POLICY_NAMES if p != "sparse_law") + PUBLISHED_NAMES
+DEFAULT_POLICIES = tuple(p for p in POLICY_NAMES if p != "sparse_law") + PUBLISHED_NAMES + OFFLINE_POLICIES
+#: reference policies with knowledge of the whole trace: never a loss of ``sparse``
+REFERENCES = ("oracle", *OFFLINE_POLICIES)
 
 
 def trace_sources(names: list[str] | None, files: list[str] | None) -> list[tuple[str, Path]]:
@@ -92,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         oracle = OracleLaw(reqs)
         footprint = oracle.inf.kv_tokens * cm.kv_bytes_per_token
         profile = reuse_profile(reqs)
+        future = FutureIndex(reqs) if any(p in OFFLINE_POLICIES for p in args.policies) else None
         rows = []
         bounds = []
         for frac in fracs:
@@ -116,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             for pol in args.policies:
                 t0 = time.perf_counter()
-                r = simulate(reqs, pol, size, cm, oracle=oracle, keep_records=False)
+                extra = {"future": future} if pol in OFFLINE_POLICIES else {}
+                r = simulate(reqs, pol, size, cm, oracle=oracle, keep_records=False, **extra)
                 s = r.summary()
                 s.update(
                     frac=frac,
@@ -128,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 rows.append(s)
                 bar.update(1)
+            _offline_shares([r for r in rows if r["frac"] == frac])
         _equal_memory(
             rows,
             lambda b, reqs=reqs, oracle=oracle: simulate(
@@ -146,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "sim_compare.json").write_text(json.dumps(results, indent=1))
     _table(results, args.policies)
     _headroom_table(results, args.policies)
+    _offline_table(results)
     _print_acceptance(results["acceptance"])
     return 0
 
@@ -170,18 +187,29 @@ def _equal_memory(rows: list[dict], run_sparse) -> None:
         }
 
 
+def _offline_shares(rows: list[dict]) -> None:
+    """Each row's share of ``offline`` at the same size (``offline_share_hit`` / ``_flops``: the
+    row's hit tokens / FLOPs saved over offline's; ``None`` without an offline row or when offline
+    got nothing)."""
+    off = next((r for r in rows if r["policy"] == "offline"), None)
+    for r in rows:
+        r["offline_share_hit"] = _share(r["hit_tokens"], off["hit_tokens"]) if off else None
+        r["offline_share_flops"] = _share(r["flops_saved"], off["flops_saved"]) if off else None
+
+
 def _share(x: float, bound: float) -> float | None:
     """``x / bound`` (share of the headroom bound), ``None`` when the bound is 0."""
     return x / bound if bound else None
 
 
 def _acceptance(results: dict) -> dict:
-    """``sparse`` vs every other policy (the oracle aside) at every size: token hit rate and FLOPs
-    saved. A policy whose ``max_bytes_used`` exceeded the cache size (the published soft caps) is
-    compared too but flagged ``over_budget`` (its memory / the cache size): it did not run in the
-    same memory, so a loss to it is reported apart (``losses_over_budget``), not as a loss at equal
-    memory (``losses``). Also the better of marconi/lru (the paper's comparison) and recomputed
-    recurrent tokens vs the oracle."""
+    """``sparse`` vs every other policy (the references ``oracle`` and ``offline`` aside) at every
+    size: token hit rate and FLOPs saved. A policy whose ``max_bytes_used`` exceeded the cache size
+    (the published soft caps) is compared too but flagged ``over_budget`` (its memory / the cache
+    size): it did not run in the same memory, so a loss to it is reported apart
+    (``losses_over_budget``), not as a loss at equal memory (``losses``). Also the better of
+    marconi/lru (the paper's comparison), recomputed recurrent tokens vs the oracle, and sparse's
+    share of ``offline``."""
     out = {}
     for tname, tr in results["traces"].items():
         by = {(r["frac"], r["policy"]): r for r in tr["rows"]}
@@ -191,7 +219,7 @@ def _acceptance(results: dict) -> dict:
             if (frac, "sparse") not in by:
                 continue
             sp = by[(frac, "sparse")]
-            others = [r for (f, p), r in by.items() if f == frac and p not in ("sparse", "oracle")]
+            others = [r for (f, p), r in by.items() if f == frac and p != "sparse" and p not in REFERENCES]
             losses, losses_over = [], []
             for o in others:
                 better_hit = o["token_hit_rate"] > sp["token_hit_rate"]
@@ -224,6 +252,14 @@ def _acceptance(results: dict) -> dict:
                 row["headroom_flops"] = head[frac]["flops_saved_frac"]
                 row["sparse_share_of_headroom_hit"] = sp.get("headroom_share_hit")
                 row["sparse_share_of_headroom_flops"] = sp.get("headroom_share_flops")
+            if (frac, "offline") in by:
+                off = by[(frac, "offline")]
+                row["offline_hit"] = off["token_hit_rate"]
+                row["offline_flops"] = off["flops_saved_frac"]
+                row["sparse_share_of_offline_hit"] = sp.get("offline_share_hit")
+                row["sparse_share_of_offline_flops"] = sp.get("offline_share_flops")
+                if frac in head:
+                    row["offline_share_of_headroom_hit"] = off.get("headroom_share_hit")
             if (frac, "marconi") in by and (frac, "lru") in by:
                 mc, lr = by[(frac, "marconi")], by[(frac, "lru")]
                 best_hit = max(mc["token_hit_rate"], lr["token_hit_rate"])
@@ -253,7 +289,7 @@ def _acceptance(results: dict) -> dict:
 def _print_acceptance(acc: dict) -> None:
     print(
         "\n== sparse vs every other policy at every size (token hit rate, FLOPs saved); "
-        "gain over the better of marconi/lru; share of the headroom bound"
+        "gain over the better of marconi/lru; share of the headroom bound and of offline"
     )
     for tname, rows in acc.items():
         for r in rows:
@@ -261,6 +297,8 @@ def _print_acceptance(acc: dict) -> None:
             g = "" if r.get("hit_gain") is None else f" vs marconi/lru {r['hit_gain']:+.0%}"
             h = r.get("sparse_share_of_headroom_hit")
             h = "" if h is None else f", {h:.0%} of headroom"
+            so = r.get("sparse_share_of_offline_hit")
+            h += "" if so is None else f", {so:.0%} of offline"
             o = r.get("recomputed_vs_oracle")
             o = "" if o is None else f", recomputed vs oracle {o:+.1%}"
             lost = ", ".join(f"{x['policy']} {x['hit']:.3f}" for x in r["losses"])
@@ -294,8 +332,10 @@ def _plot(tname: str, rows: list[dict], bounds: list[dict], policies: list[str],
     for pol in policies:
         rs = [r for r in rows if r["policy"] == pol]
         x = [r["cache_bytes"] / 2**30 for r in rs]
-        axes[0].plot(x, [r["token_hit_rate"] for r in rs], marker="o", label=pol)
-        axes[1].plot(x, [r["flops_saved_frac"] for r in rs], marker="o", label=pol)
+        style: dict = {"color": "k", "linestyle": ":", "marker": "s"} if pol in OFFLINE_POLICIES else {}
+        name = f"{pol} (future knowledge)" if pol in OFFLINE_POLICIES else pol
+        axes[0].plot(x, [r["token_hit_rate"] for r in rs], label=name, **{"marker": "o", **style})
+        axes[1].plot(x, [r["flops_saved_frac"] for r in rs], label=name, **{"marker": "o", **style})
     if bounds:
         x = [b["cache_bytes"] / 2**30 for b in bounds]
         axes[0].plot(x, [b["token_hit_rate"] for b in bounds], "k--", label="headroom bound")
@@ -344,6 +384,42 @@ def _headroom_table(results: dict, policies: list[str]) -> None:
                 cells.append("-" if a is None else f"{a:.0%}/{b:.0%}{star}")
             print(f"{frac:5} {head[frac]['token_hit_rate']:9.3f} " + " ".join(f"{c:>13}" for c in cells))
     print("* over budget: the policy's memory exceeded the cache size (published soft cap)")
+
+
+def _offline_table(results: dict) -> None:
+    """Per trace and size: the headroom bound, offline, sparse, sglang_native (token hit rates) and
+    sparse's share of offline beside its share of the bound."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    for tname, tr in results["traces"].items():
+        head = {h["frac"]: h for h in tr.get("headroom", [])}
+        by = {(r["frac"], r["policy"]): r for r in tr["rows"]}
+        if not any(p == "offline" for _, p in by):
+            continue
+        print(f"\n== {tname}: sparse vs offline (token hit rate; offline = future knowledge, same budget)")
+        cols = (
+            "bound",
+            "offline",
+            "sparse",
+            "sglang_native",
+            "sparse/offline",
+            "sparse/bound",
+            "offline/bound",
+        )
+        print(f"{'frac':>5} " + " ".join(f"{c:>14}" for c in cols))
+        for frac in results["fracs"]:
+            hit = {p: by.get((frac, p)) for p in ("offline", "sparse", "sglang_native")}
+            sp, off = hit["sparse"] or {}, hit["offline"] or {}
+            cells = [
+                f"{head[frac]['token_hit_rate']:.3f}" if frac in head else "-",
+                *("-" if r is None else f"{r['token_hit_rate']:.3f}" for r in hit.values()),
+                pct(sp.get("offline_share_hit")),
+                pct(sp.get("headroom_share_hit")),
+                pct(off.get("headroom_share_hit")),
+            ]
+            print(f"{frac:5} " + " ".join(f"{c:>14}" for c in cells))
 
 
 if __name__ == "__main__":

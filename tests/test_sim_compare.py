@@ -1,6 +1,6 @@
 """``benchmarks/sim_compare.py`` bookkeeping on a tiny trace file: the headroom bound per size,
-each policy's share of it, and the acceptance block (sparse vs every other policy, soft-cap
-policies reported apart)."""
+each policy's share of it and of ``offline``, and the acceptance block (sparse vs every other
+policy, soft-cap policies reported apart, the offline reference never a loss)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _trace(tmp_path):
 def test_headroom_bounds_every_in_budget_policy(tmp_path) -> None:
     trace = _trace(tmp_path)
     out = tmp_path / "out"
-    pols = ["lru", "sparse", "sglang_native", "vllm_plus_published"]
+    pols = ["lru", "sparse", "sglang_native", "vllm_plus_published", "offline"]
     argv = ["--trace", str(trace), "--policies", *pols, "--fracs", "8", "40", "--out", str(out)]
     assert sim_compare.main(argv) == 0
     res = json.loads((out / "sim_compare.json").read_text())
@@ -58,13 +58,13 @@ def test_headroom_bounds_every_in_budget_policy(tmp_path) -> None:
     assert seen_hit
     acc = {a["frac"]: a for a in res["acceptance"]["tiny"]}
     for frac, a in acc.items():
-        assert a["compared"] == sorted(p for p in pols if p != "sparse")
+        assert a["compared"] == sorted(p for p in pols if p not in ("sparse", "offline"))
         rows = {r["policy"]: r for r in tr["rows"] if r["frac"] == frac}
         sp = rows["sparse"]
         want = sorted(
             p
             for p, r in rows.items()
-            if p != "sparse"
+            if p not in ("sparse", "offline")
             and not r["over_budget"]
             and (r["token_hit_rate"] > sp["token_hit_rate"] or r["flops_saved_frac"] > sp["flops_saved_frac"])
         )
@@ -79,6 +79,15 @@ def test_headroom_bounds_every_in_budget_policy(tmp_path) -> None:
                 eq["token_hit_rate"] >= x["hit"] and eq["flops_saved_frac"] >= x["flops"]
             )
         assert a["headroom_hit"] == pytest.approx(head[frac]["token_hit_rate"])
+        # offline: a reference (never a loss), in budget, below the bound; every row's share of it
+        off = rows["offline"]
+        assert not off["over_budget"] and off["hit_tokens"] <= head[frac]["hit_tokens"]
+        assert off["hit_tokens"] >= max(rows[p]["hit_tokens"] for p in ("lru", "sglang_native"))
+        assert a["offline_hit"] == off["token_hit_rate"]
+        assert a["sparse_share_of_offline_hit"] == pytest.approx(sp["hit_tokens"] / off["hit_tokens"])
+        for r in rows.values():
+            assert r["offline_share_hit"] == pytest.approx(r["hit_tokens"] / off["hit_tokens"])
+            assert r["offline_share_flops"] == pytest.approx(r["flops_saved"] / off["flops_saved"])
     # vllm_plus_published overshoots its budget at the small size and beats sparse there
     small = {x["policy"]: x for x in acc[8.0]["losses_over_budget"]}
     assert "vllm_plus_published" in small

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -37,10 +37,17 @@ from sglang_sparse.policy import (
     PolicySpec,
     get_policy,
 )
-from sglang_sparse.tree import as_tokens
+from sglang_sparse.tree import Freed, InsertResult, MatchResult, as_tokens
 
 from .oracle import OracleLaw
 from .trace import SimRequest
+
+#: ``(request index, match, {position: state handle} captured, insert result, freed by eviction)``
+Observer = Callable[[int, MatchResult, dict[int, int], InsertResult, Freed], None]
+
+#: simulator-only policies with future knowledge (:mod:`.offline`); not cache policies of the
+#: registry, so the serving adapter (``SGLANG_SPARSE_POLICY``) rejects them as unknown
+OFFLINE_POLICIES: tuple[str, ...] = ("offline",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +119,7 @@ def simulate(
     progress: bool = False,
     check: bool = False,
     retune: bool = False,
+    observer: Observer | None = None,
     **cache_kwargs,
 ) -> SimResult:
     """Replay ``requests`` through a ``policy`` cache of ``cache_bytes`` bytes for model ``cost``.
@@ -123,9 +131,30 @@ def simulate(
     ``vllm_plus_published``) run through :func:`.published.simulate_published` (``bootstrap``,
     ``tuner``, ``oracle``, ``retune`` do not apply; ``cost`` may also be a ``MarconiModel``).
     ``oracle`` must be given for the ``oracle`` policy (built automatically when omitted).
-    ``check`` asserts tree invariants.
+    ``observer`` (registry policies and ``offline``) is called once per request, after its eviction, with
+    ``(index, match, {position: state handle} captured, insert result, freed)``: read-only
+    instrumentation (see :mod:`.gap`); it changes no decision.
+    ``offline`` (the future-knowledge reference, :mod:`.offline`) runs through
+    :func:`.offline.simulate_offline`; of the options only ``keep_records``, ``progress``, ``check``,
+    ``observer`` and its own ``grid`` / ``future`` (``cache_kwargs``) apply. ``check`` asserts tree
+    invariants.
     """
+    if isinstance(policy, str) and policy in OFFLINE_POLICIES:
+        from .offline import simulate_offline
+
+        return simulate_offline(
+            requests,
+            cache_bytes,
+            cost,
+            keep_records=keep_records,
+            progress=progress,
+            check=check,
+            observer=observer,
+            **cache_kwargs,
+        )
     if isinstance(policy, str) and policy in PUBLISHED_POLICIES:
+        if observer is not None:
+            raise ValueError(f"policy {policy!r}: the published baselines take no observer")
         from .published import simulate_published
 
         return simulate_published(
@@ -169,7 +198,7 @@ def simulate(
     snapshot = _snapshot(cache, oracle) if tuning else None
     for i in it:
         inp, full = prepared[i]
-        c, kv, saved, total, captured = _serve(cache, inp, full, cost, ids)
+        c, kv, saved, total, captured = _serve(cache, inp, full, cost, ids, observer, i)
         if check:
             cache.tree.check()
         res.requests += 1
@@ -203,11 +232,18 @@ def simulate(
 
 
 def _serve(
-    cache: HybridCache, inp: np.ndarray, full: np.ndarray, cost: ModelCostModel, ids: Iterator[int]
+    cache: HybridCache,
+    inp: np.ndarray,
+    full: np.ndarray,
+    cost: ModelCostModel,
+    ids: Iterator[int],
+    observer: Observer | None = None,
+    index: int = -1,
 ) -> tuple[int, int, float, float, int]:
     """One request: match, observe, capture plan, insert input+output, evict to budget.
 
     Returns ``(resume_depth, kv_depth, FLOPs saved, prefill FLOPs, states captured)``.
+    ``observer``: see :func:`simulate` (``index``: the request's position in the trace).
     """
     m = cache.match(inp)
     c, kv = m.resume_depth, m.kv_depth
@@ -216,9 +252,12 @@ def _serve(
     cache.observe(m)
     plan = cache.capture_plan(m, len(inp), len(full))
     cache.lock(m.node)
-    cache.insert(full, None, {p: next(ids) for p in plan})
+    handles = {p: next(ids) for p in plan}
+    res = cache.insert(full, None, handles)
     cache.unlock(m.node)
-    cache.evict_to_budget()
+    freed = cache.evict_to_budget()
+    if observer is not None:
+        observer(index, m, handles, res, freed)
     return c, kv, saved, total, len(plan)
 
 
