@@ -30,8 +30,19 @@ from sglang_sparse.tree.radix import LawProvider, Tokens
 from .admission import capture_positions
 from .cost_model import ModelCostModel
 from .eviction import Evictor
+from .probation import DEFAULT_PROBATION_BUDGET, ProbationPlanner
 from .registry import PolicySpec, get_policy
 from .tail_prior import TailPrior
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """What one request captures: ``positions`` (sorted absolute depths, tokens) and the subset of
+    them kept on ``probation`` (evicted before every other state until a request resumes from it;
+    see :mod:`.probation`)."""
+
+    positions: tuple[int, ...]
+    probation: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -44,8 +55,10 @@ class CacheSnapshot:
     ``cost``: the cost model (``None`` for policies that are not FLOP-aware); ``alpha``: the
     eviction weight in use (>= 0); ``min_cut_gain`` (tokens); ``tail``: the learned
     :class:`TailPrior` (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None``:
-    derived from the budget). Engines that keep their own tree build ``tree`` with
-    :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest from their config.
+    derived from the budget); ``probation``: the state handles on probation and ``prober`` the
+    learned :class:`~.probation.ProbationPlanner` (``None`` = a fresh one). Engines that keep their
+    own tree build ``tree`` with :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest
+    from their config.
     """
 
     tree: TreeSnapshot
@@ -56,6 +69,8 @@ class CacheSnapshot:
     min_cut_gain: int = 0
     tail: TailPrior | None = None
     fit_tokens: int | None = None
+    probation: frozenset[Any] = frozenset()
+    prober: ProbationPlanner | None = None
 
 
 class HybridCache:
@@ -82,6 +97,7 @@ class HybridCache:
         grid: int = DEFAULT_GRID,
         min_cut_gain: int = 0,
         fit_tokens: int | None = None,
+        probation_budget: int = DEFAULT_PROBATION_BUDGET,
     ) -> None:
         self.spec = get_policy(policy)
         if cost is not None:
@@ -130,12 +146,16 @@ class HybridCache:
         )
         #: KV tokens one state's bytes would hold (room a fit state leaves per extra state)
         self._state_tokens = -(-state_bytes // kv_bytes_per_token) if kv_bytes_per_token else 0
+        #: state handles on probation (``sparse`` admission only; see :mod:`.probation`)
+        self.probation: set[Any] = set()
+        self.prober = ProbationPlanner(gamma, grid=grid, budget=probation_budget)
         self.evictor = Evictor(
             self.tree,
             self.spec.eviction,
             cost,
             alpha if self.spec.flop_aware else 0.0,
             capacity_bytes=self.budget_bytes,
+            probation=self.probation,
         )
 
     # ------------------------------------------------------------------ flat snapshot
@@ -151,6 +171,8 @@ class HybridCache:
             min_cut_gain=self.min_cut_gain,
             tail=copy.deepcopy(self.tail),
             fit_tokens=self.fit_tokens,
+            probation=frozenset(self.probation),
+            prober=copy.deepcopy(self.prober),
         )
 
     @classmethod
@@ -185,7 +207,22 @@ class HybridCache:
         cache.evictor.invalidate()
         if snap.tail is not None:
             cache.tail = copy.deepcopy(snap.tail)
+        cache.probation.update(snap.probation)
+        if snap.prober is not None:
+            cache.prober = copy.deepcopy(snap.prober)
         return cache
+
+    def use_tree(self, tree: RadixTree) -> None:
+        """Run this cache's policy on ``tree`` (an engine mirror) with a fresh evictor over it."""
+        self.tree = tree
+        self.evictor = Evictor(
+            tree,
+            self.spec.eviction,
+            self.cost,
+            self.evictor.alpha,
+            capacity_bytes=self.budget_bytes,
+            probation=self.probation,
+        )
 
     # ------------------------------------------------------------------ knobs
 
@@ -214,15 +251,39 @@ class HybridCache:
     def observe(self, match: MatchResult) -> None:
         """Record the admitted request's match (clock, recency, depth law, re-plans, tail prior)."""
         node = match.node
-        if match.kv_depth >= self.grid and node.parent is not None and not node.children:
-            # divergences above the first grid step cannot be served by any checkpoint: not evidence
+        if match.kv_depth >= self.grid and node.parent is not None and not node.children and node.seq_end:
+            # Divergences above the first grid step cannot be served by any checkpoint: not evidence.
+            # A leaf cut back to a state (``seq_end`` False) is not where a sequence ended: reaching
+            # its end says nothing about continuing one.
             self.tail.observe_suffix(node.end - match.kv_depth)
+        if self.spec.admission == "sparse":
+            self.prober.observe(match.kv_depth)
+        self.promote(match)
         self.tree.observe(match)
+
+    def promote(self, match: MatchResult) -> bool:
+        """A request resumes from ``match``'s checkpoint: if it was on probation it becomes a normal
+        state (True)."""
+        h = match.ckpt_handle
+        if h is None or h not in self.probation:
+            return False
+        self.probation.discard(h)
+        self.evictor.touch(match.ckpt_node)
+        return True
 
     def capture_plan(self, match: MatchResult, input_len: int, total_len: int | None = None) -> list[int]:
         """Positions in ``(match.resume_depth, total_len]`` whose recurrent state the engine should
-        capture: ``<= input_len`` during prefill, deeper ones during decode (``total_len`` defaults
-        to ``input_len``).
+        capture (:meth:`plan`'s positions, probation ones included)."""
+        return list(self.plan(match, input_len, total_len).positions)
+
+    def plan(self, match: MatchResult, input_len: int, total_len: int | None = None) -> CapturePlan:
+        """The states this request captures: positions in ``(match.resume_depth, total_len]``,
+        ``<= input_len`` during prefill, deeper ones during decode (``total_len`` defaults to
+        ``input_len``), and which of them are kept on probation.
+
+        ``sparse`` admission: its planned positions (:func:`~.admission.capture_positions`), plus on
+        probation up to ``probation_budget`` first-sight positions on the new part of the prompt
+        (:class:`~.probation.ProbationPlanner`) and the last-token state when it is not planned.
 
         ``min_cut_gain`` (engine cost, tokens; 0 = captures are free, as with a capture kernel):
         a position inside the prefill (``< input_len``) is dropped when it lies fewer than
@@ -242,15 +303,24 @@ class HybridCache:
             fit=self.fit_tokens,
             state_tokens=self._state_tokens,
         )
-        if self.min_cut_gain <= 0:
-            return pos
-        kept, prev = [], match.resume_depth
-        for p in pos:
-            if p < input_len and p - prev < self.min_cut_gain:
-                continue
-            kept.append(p)
-            prev = p
-        return kept
+        probation: set[int] = set()
+        if self.spec.admission == "sparse":
+            lo = max(match.kv_depth, match.resume_depth)
+            fits = self.fit_tokens is None or total <= self.fit_tokens
+            if fits:
+                probation.update(self.prober.positions(lo, input_len, exclude=pos))
+            if total > match.resume_depth and total not in pos and fits:
+                probation.add(total)
+            pos = sorted(set(pos) | probation)
+        if self.min_cut_gain > 0:
+            kept, prev = [], match.resume_depth
+            for p in pos:
+                if p < input_len and p - prev < self.min_cut_gain:
+                    continue
+                kept.append(p)
+                prev = p
+            pos = kept
+        return CapturePlan(tuple(pos), frozenset(probation.intersection(pos)))
 
     def insert(
         self,
@@ -259,9 +329,19 @@ class HybridCache:
         checkpoints: Mapping[int, Any] | None = None,
         *,
         kv_offset: int = 0,
+        probation: frozenset[int] | set[int] = frozenset(),
     ) -> InsertResult:
-        """Insert (see :meth:`RadixTree.insert`); the caller frees ``unused_kv`` / ``unused_states``."""
-        return self.tree.insert(tokens, kv, checkpoints, kv_offset=kv_offset)
+        """Insert (see :meth:`RadixTree.insert`); the caller frees ``unused_kv`` / ``unused_states``.
+        The new states at ``probation`` positions go on probation (a position that already held a
+        state keeps it, as it was)."""
+        res = self.tree.insert(tokens, kv, checkpoints, kv_offset=kv_offset)
+        if probation and checkpoints:
+            unused = set(res.unused_states)
+            for p in probation:
+                h = checkpoints.get(p)
+                if h is not None and h not in unused:
+                    self.probation.add(h)
+        return res
 
     def lock(self, node: Node) -> None:
         self.tree.lock(node)
@@ -273,8 +353,14 @@ class HybridCache:
         """Free at least ``num_bytes`` if possible (locked items are never evicted)."""
         if num_bytes < 0:
             raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
-        return self.evictor.evict(self.tree.bytes_used - num_bytes)
+        return self.forget(self.evictor.evict(self.tree.bytes_used - num_bytes))
 
     def evict_to_budget(self) -> Freed:
         """Evict until ``bytes_used <= budget_bytes`` (or only locked items remain)."""
-        return self.evictor.evict(self.budget_bytes)
+        return self.forget(self.evictor.evict(self.budget_bytes))
+
+    def forget(self, freed: Freed) -> Freed:
+        """Drop freed state handles from the probation set; returns ``freed``."""
+        if self.probation and freed.states:
+            self.probation.difference_update(freed.states)
+        return freed

@@ -54,7 +54,7 @@ O(n) rescan); the first round after construction or a copy builds the index (one
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -124,6 +124,7 @@ class CandidateTerms:
         cost: ModelCostModel | None,
         alpha: float = 0.0,
         capacity_bytes: int | None = None,
+        probation: Container[Any] = frozenset(),
     ):
         if alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
@@ -133,6 +134,11 @@ class CandidateTerms:
         #: cache capacity (bytes); with ``config.drop_unservable`` a checkpoint at depth ``p`` whose
         #: path needs more (``p * kv_bytes_per_token + state_bytes > capacity_bytes``) is evicted first
         self.capacity_bytes = capacity_bytes
+        #: state handles on probation (shared with the owner, e.g. :class:`~.cache.HybridCache`,
+        #: which adds and removes them): a candidate all of whose states are on probation is evicted
+        #: before every servable one, oldest first (key ``PROBATION_KEY + recency``). The owner must
+        #: :meth:`Evictor.touch` a node whose handles enter or leave it other than by an insert.
+        self.probation = probation
 
     def _unservable(self, pos: int) -> bool:
         """Whether a checkpoint at depth ``pos`` can never be resumed from: its path KV plus the
@@ -161,9 +167,10 @@ class CandidateTerms:
 
     def _candidate(
         self, kind: int, node: Node, pos: int, *, need_value: bool | None = None
-    ) -> tuple[float, float, int, bool] | None:
-        """(recency, efficiency FLOPs/byte, bytes, unservable) of a candidate; ``None`` if not
-        eligible. ``unservable``: every checkpoint it holds is unservable (evicted first).
+    ) -> tuple[float, float, int, bool, bool] | None:
+        """(recency, efficiency FLOPs/byte, bytes, unservable, probation) of a candidate; ``None``
+        if not eligible. ``unservable``: every checkpoint it holds is unservable (evicted first);
+        ``probation``: every checkpoint it holds is on probation (evicted next).
         The efficiency is computed iff ``need_value`` (default: ``alpha > 0``), else 0.0."""
         tree = self.tree
         if not node.alive or node.lock_ref > 0:
@@ -177,14 +184,14 @@ class CandidateTerms:
             val = sum(self._ckpt_flops(node, p) for p in node.checkpoints) if need_value else 0.0
             ck = node.checkpoints
             dead = bool(ck) and self._unservable(ck.peekitem(0)[0])
-            return float(node.last_access), val / max(nbytes, 1), nbytes, dead
+            return float(node.last_access), val / max(nbytes, 1), nbytes, dead, self._all_probation(node)
         if kind == NODE_STATES:
             if len(node.children) != 1 or not node.checkpoints:
                 return None
             nbytes = len(node.checkpoints) * tree.state_bytes
             val = sum(self._ckpt_flops(node, p) for p in node.checkpoints) if need_value else 0.0
             dead = self._unservable(node.checkpoints.peekitem(0)[0])
-            return float(node.last_access), val / nbytes, nbytes, dead
+            return float(node.last_access), val / nbytes, nbytes, dead, self._all_probation(node)
         if pos not in node.checkpoints:
             return None
         rec = node.ckpt_access[pos] if self.config.ckpt_recency == "own" else node.last_access
@@ -195,7 +202,12 @@ class CandidateTerms:
             i = ck.index(pos)
             above = ck.peekitem(i - 1)[0] if i > 0 else node.start
             nbytes += (node.end - above) * tree.kv_bytes_per_token
-        return float(rec), val / nbytes, nbytes, self._unservable(pos)
+        return float(rec), val / nbytes, nbytes, self._unservable(pos), ck[pos] in self.probation
+
+    def _all_probation(self, node: Node) -> bool:
+        """Whether ``node`` holds checkpoints and all of them are on probation."""
+        prob = self.probation
+        return bool(node.checkpoints) and all(h in prob for h in node.checkpoints.values())
 
     def evict(self, target_bytes: int) -> Freed:
         """Evict until ``tree.bytes_used <= target_bytes`` or nothing evictable remains."""

@@ -58,8 +58,8 @@ apply the reference's float operations elementwise (IEEE-exact in numpy, no fuse
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Container, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -90,19 +90,26 @@ class _Info:
         self.slots: list[int] = []  # column rows of this node's candidates
 
 
-def _signature(node: Node) -> tuple:
+def _signature(node: Node, probation: Container[Any]) -> tuple:
     """Everything a node's rows depend on besides ``last_access``, its inherited fallback and its
-    depth histogram: identity/edge (``version``), children count, lock, liveness, checkpoints and
-    their clocks (a handful per node)."""
+    depth histogram: identity/edge (``version``), children count, lock, liveness, checkpoints,
+    their clocks and which of them are on probation (a handful per node)."""
+    items = node.checkpoints.items()
     return (
         node.version,
         len(node.children),
         node.lock_ref > 0,
         node.alive,
-        tuple(node.checkpoints.items()),
+        tuple(items),
         tuple(node.ckpt_access.items()),
+        tuple(h in probation for _, h in items),
     )
 
+
+#: Heap key of a probation candidate: ``PROBATION_KEY + recency`` (finite, below every servable
+#: candidate's score, which is >= 0 in both score forms, and above an unservable one's ``-inf``), so
+#: probation states go first, oldest first. Ticks stay exact up to 2**52 - 1e15 (~3.5e15).
+PROBATION_KEY = -1e15
 
 #: ``(rmin, rspan, vmin, vspan)``: a round's normalisation constants (see :func:`round_constants`)
 Constants = tuple[float, float, float, float]
@@ -145,15 +152,20 @@ def det_log1p(x: np.ndarray) -> np.ndarray:
     return e * _LN2 + 2.0 * s * acc
 
 
-def candidate_score(c: tuple[float, float, int, bool], k: Constants, alpha: float, decayed: bool) -> float:
-    """Score of one candidate's terms ``c = (recency, FLOPs/byte, bytes, unservable)`` under the
-    round's constants ``k`` (``-inf`` if unservable). ``decayed``: the efficiency enters as
+def candidate_score(
+    c: tuple[float, float, int, bool, bool], k: Constants, alpha: float, decayed: bool
+) -> float:
+    """Score of one candidate's terms ``c = (recency, FLOPs/byte, bytes, unservable, probation)``
+    under the round's constants ``k`` (``-inf`` if unservable, ``PROBATION_KEY + recency`` if on
+    probation). ``decayed``: the efficiency enters as
     ``ln(1 + alpha * e)`` (:func:`det_log1p`; ``e`` clamped at 0: a candidate exposed during a
     round can lie below the round's minimum), else as ``alpha * e``.
     :meth:`CandidateIndex.round_scores` computes the same values vectorised, with the same float
     operations."""
     if c[3]:
         return -math.inf
+    if c[4]:
+        return PROBATION_KEY + c[0]
     rmin, rspan, vmin, vspan = k
     r = (c[0] - rmin) / rspan
     if decayed:
@@ -167,7 +179,8 @@ class CandidateIndex:
     Invariant after :meth:`sync`: rows ``0 .. n-1`` are exactly the candidates of
     ``Evictor.candidates()`` for which ``Evictor._candidate`` is not ``None``, one row each, with
     ``rec`` = recency (logical clock, as float), ``val`` = efficiency (FLOPs per byte; 0.0 while
-    values are off), ``dead`` = unservable, ``uid``/``pos``/``kind`` the tie-break keys and
+    values are off), ``dead`` = unservable, ``prob`` = every state it holds is on probation,
+    ``uid``/``pos``/``kind`` the tie-break keys and
     ``node``/``ver`` the node and its ``version``. Row order is arbitrary (swap-remove).
     """
 
@@ -186,6 +199,7 @@ class CandidateIndex:
         self.rec = np.empty(cap, dtype=np.float64)
         self.val = np.empty(cap, dtype=np.float64)
         self.dead = np.empty(cap, dtype=np.bool_)
+        self.prob = np.empty(cap, dtype=np.bool_)
         self.uid = np.empty(cap, dtype=np.int64)
         self.pos = np.empty(cap, dtype=np.int64)
         self.kind = np.empty(cap, dtype=np.int64)
@@ -200,7 +214,7 @@ class CandidateIndex:
 
     def _grow(self) -> None:
         cap = self.cap * 2
-        for name in ("rec", "val", "dead", "uid", "pos", "kind"):
+        for name in ("rec", "val", "dead", "prob", "uid", "pos", "kind"):
             old = getattr(self, name)
             new = np.empty(cap, dtype=old.dtype)
             new[: self.n] = old[: self.n]
@@ -208,13 +222,16 @@ class CandidateIndex:
         self.cap = cap
         self._scratch()
 
-    def _add_row(self, node: Node, info: _Info, kind: int, pos: int, r: float, v: float, d: bool) -> None:
+    def _add_row(
+        self, node: Node, info: _Info, kind: int, pos: int, r: float, v: float, d: bool, pb: bool
+    ) -> None:
         i = self.n
         if i == self.cap:
             self._grow()
         self.rec[i] = r
         self.val[i] = v
         self.dead[i] = d
+        self.prob[i] = pb
         self.uid[i] = node.uid
         self.pos[i] = pos
         self.kind[i] = kind
@@ -228,7 +245,7 @@ class CandidateIndex:
         for i in sorted(info.slots, reverse=True):
             last = self.n - 1
             if i != last:
-                for col in (self.rec, self.val, self.dead, self.uid, self.pos, self.kind):
+                for col in (self.rec, self.val, self.dead, self.prob, self.uid, self.pos, self.kind):
                     col[i] = col[last]
                 moved = self.node[last]
                 self.node[i] = moved
@@ -261,7 +278,7 @@ class CandidateIndex:
         ``last_access`` the rows read nor a depth histogram the values read (``value="law"``). This
         is what spares the interior nodes of a long path whose only change is the recency every
         request writes on its whole path (``observe``)."""
-        if info.sig is None or inherited != info.inh or _signature(node) != info.sig:
+        if info.sig is None or inherited != info.inh or _signature(node, self.ev.probation) != info.sig:
             return True
         cfg = self.ev.config
         if self.values_on and cfg.value == "law":
@@ -303,16 +320,21 @@ class CandidateIndex:
                 if values and keys
                 else []
             )
+            prob = ev.probation
+            on_probation = [h in prob for h in ck.values()] if prob else [False] * len(keys)
+            all_prob = bool(keys) and all(on_probation)
             if not children:
                 nbytes = tree.node_bytes(node)
                 v = sum(fl) if values else 0.0
                 d = bool(ck) and ev._unservable(keys[0])  # noqa: SLF001
-                self._add_row(node, info, LEAF, -1, float(node.last_access), v / max(nbytes, 1), d)
+                rec = float(node.last_access)
+                self._add_row(node, info, LEAF, -1, rec, v / max(nbytes, 1), d, all_prob)
             elif cfg.node_states and len(children) == 1 and ck:
                 nbytes = len(ck) * tree.state_bytes
                 v = sum(fl) if values else 0.0
                 d = ev._unservable(keys[0])  # noqa: SLF001
-                self._add_row(node, info, NODE_STATES, -1, float(node.last_access), v / nbytes, d)
+                rec = float(node.last_access)
+                self._add_row(node, info, NODE_STATES, -1, rec, v / nbytes, d, all_prob)
             if cfg.ckpt_scope != "none" and ck:
                 own = cfg.ckpt_recency == "own"
                 last = keys[-1]
@@ -324,7 +346,8 @@ class CandidateIndex:
                         above = keys[i - 1] if i > 0 else node.start
                         nbytes += (node.end - above) * tree.kv_bytes_per_token
                     v = fl[i] if values else 0.0
-                    self._add_row(node, info, CKPT, p, float(rec), v / nbytes, ev._unservable(p))  # noqa: SLF001
+                    d = ev._unservable(p)  # noqa: SLF001
+                    self._add_row(node, info, CKPT, p, float(rec), v / nbytes, d, on_probation[i])
         # -- bookkeeping (totals for the consistency check, eviction-index copies)
         nck, ntok = len(ck), node.num_tokens
         self.num_states += nck - info.nck
@@ -340,7 +363,7 @@ class CandidateIndex:
         changed = down != info.down
         info.down = down
         info.inh = inherited
-        info.sig = _signature(node)
+        info.sig = _signature(node, ev.probation)
         return changed
 
     def _register(self, node: Node) -> _Info:
@@ -549,6 +572,9 @@ class CandidateIndex:
         dead = self.dead[:n]
         key = self._key[:n]
         np.copyto(key, score)
+        prob = self.prob[:n]
+        if prob.any():
+            np.copyto(key, rec + PROBATION_KEY, where=prob)
         if dead.any():
             np.putmask(key, dead, -np.inf)
         return score, key, (rmin, rspan, vmin, vspan)
@@ -592,13 +618,19 @@ class CandidateIndex:
         for kind, node, pos in ev.candidates():
             c = ev._candidate(kind, node, pos, need_value=self.values_on)  # noqa: SLF001
             if c is not None:
-                want[(node.uid, pos, kind)] = (c[0], c[1], c[3], node.version)
+                want[(node.uid, pos, kind)] = (c[0], c[1], c[3], c[4], node.version)
         got = {}
         for i in range(self.n):
             key = (int(self.uid[i]), int(self.pos[i]), int(self.kind[i]))
             assert key not in got, f"duplicate row {key}"
             assert self.node[i].uid == key[0]
-            got[key] = (float(self.rec[i]), float(self.val[i]), bool(self.dead[i]), self.ver[i])
+            got[key] = (
+                float(self.rec[i]),
+                float(self.val[i]),
+                bool(self.dead[i]),
+                bool(self.prob[i]),
+                self.ver[i],
+            )
         assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))
         for k, w in want.items():
             assert got[k] == w, (k, got[k], w)

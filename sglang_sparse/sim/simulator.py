@@ -250,15 +250,15 @@ def _serve(
     saved = cost.flops_saved(len(inp), c)
     total = cost.prefill_flops(len(inp))
     cache.observe(m)
-    plan = cache.capture_plan(m, len(inp), len(full))
+    plan = cache.plan(m, len(inp), len(full))
     cache.lock(m.node)
-    handles = {p: next(ids) for p in plan}
-    res = cache.insert(full, None, handles)
+    handles = {p: next(ids) for p in plan.positions}
+    res = cache.insert(full, None, handles, probation=plan.probation)
     cache.unlock(m.node)
     freed = cache.evict_to_budget()
     if observer is not None:
         observer(index, m, handles, res, freed)
-    return c, kv, saved, total, len(plan)
+    return c, kv, saved, total, len(plan.positions)
 
 
 def _snapshot(cache: HybridCache, oracle: OracleLaw | None) -> CacheSnapshot:

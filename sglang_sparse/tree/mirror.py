@@ -251,11 +251,14 @@ class MirrorTree(RadixTree):
         self._changed(node)
         return True
 
-    def touch_path(self, node_id: int, *, tick: bool = True) -> Node:
+    def touch_path(self, node_id: int, seq_end: bool = False, *, tick: bool = True) -> Node:
         """Refresh the recency of the path root -> ``node_id`` (an insert through it): advance the
         clock (``tick``) and write ``last_access`` on every path node, as :meth:`RadixTree.insert`
-        does. Iterative; O(depth)."""
+        does; ``seq_end``: the insert was a whole sequence, ending at ``node_id``'s end (see
+        :attr:`Node.seq_end`). Iterative; O(depth)."""
         node = self.node(node_id)
+        if seq_end:
+            node.seq_end = True
         now = self.tick() if tick else self.clock
         n = node
         while n.parent is not None:

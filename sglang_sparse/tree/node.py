@@ -17,6 +17,10 @@ view of a caller's array). Invariants (checked by :meth:`RadixTree.check`):
   versions still describes a valid path (used by ``RadixTree.insert(..., hint=match)``).
 * ``plan_fresh``: every depth the edge observed since its last re-plan was its ``end`` and the plan
   holds ``end``; re-solving would return the same plan (see :meth:`RadixTree.observe`).
+* ``seq_end``: an inserted sequence ended exactly at ``end`` (the last node of an insert; a node
+  that only exists because a split or a cut-back made it end there is not one). The tail prior
+  learns suffix distances only from such leaves: a leaf cut back to a state is not where any
+  sequence ended, so a request reaching its end need not continue anything.
 * ``heap_key`` is the ``last_access`` of this node's newest entry in the tree's LRU leaf heap
   (``-1`` if it has none); maintained by :class:`RadixTree` only.
 """
@@ -186,6 +190,7 @@ class Node:
         "version",
         "alive",
         "heap_key",
+        "seq_end",
     )
 
     def __init__(
@@ -209,6 +214,7 @@ class Node:
         self.version = 0
         self.alive = True
         self.heap_key = -1
+        self.seq_end = False
 
     @property
     def end(self) -> int:

@@ -702,6 +702,7 @@ class RadixTree:
                 self._compact_lru_heap()
         else:
             self._sync_evictable(node)  # an existing node whose recency changed
+        res.node.seq_end = True  # ends at n: the leaf just made, the split's upper part, or a node end
         if checkpoints:
             # The holder of position p is the path node with start < p <= end (path edges are
             # contiguous from 0 to n); checkpoints sit near the end, so scan from the deepest node.

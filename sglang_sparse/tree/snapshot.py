@@ -17,8 +17,8 @@ Fields (units: tokens for depths and lengths, logical clock ticks for clocks, by
 * per node ``i`` (arrays of length ``n``): ``parent`` (int64, ``-1`` for the root), ``uid``
   (int64, unique), ``start`` (int64, depth before the edge: the parent's end, 0 for the root),
   ``last_access`` (int64 clock), ``lock_ref`` (int64 >= 0; the root's is >= 1 and a node's is >=
-  the sum of its children's), ``version`` (int64), ``plan_fresh`` (bool), ``kv`` (list of opaque
-  KV handles, the root's ``None``);
+  the sum of its children's), ``version`` (int64), ``plan_fresh`` (bool), ``seq_end`` (bool), ``kv``
+  (list of opaque KV handles, the root's ``None``);
 * edge tokens: ``keys`` (int32, every edge's tokens concatenated in node order) and
   ``key_offsets`` (int64, length ``n + 1``, ``key_offsets[0] == 0``): node ``i``'s edge is
   ``keys[key_offsets[i]:key_offsets[i+1]]``, empty for the root and non-empty otherwise; its end
@@ -89,6 +89,7 @@ class TreeSnapshot:
     uid_counter: int
     version: np.ndarray | None = None
     plan_fresh: np.ndarray | None = None
+    seq_end: np.ndarray | None = None
     ckpt_node: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
     ckpt_pos: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
     ckpt_access: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
@@ -156,6 +157,7 @@ class TreeSnapshotBuilder:
         self._max_uid = int(root_uid)
         self._plan: list[tuple[int, ...]] = [()]
         self._fresh = [False]
+        self._seq_end = [False]
         self._hist: list[tuple[int, DepthHistogram]] = []
         self._ck: list[tuple[int, int, int, Any]] = []
 
@@ -173,12 +175,13 @@ class TreeSnapshotBuilder:
         hist: DepthHistogram | None = None,
         plan: tuple[int, ...] = (),
         plan_fresh: bool = False,
+        seq_end: bool = False,
     ) -> int:
         """Append a child of node index ``parent`` with edge ``tokens``; return its index.
 
         Optional policy state: ``hist`` (the edge's depth histogram, copied; ``None`` = no
         observation yet), ``plan`` (absolute depths of its current placement plan) and
-        ``plan_fresh`` (see :class:`~sglang_sparse.tree.node.Node`)."""
+        ``plan_fresh`` and ``seq_end`` (see :class:`~sglang_sparse.tree.node.Node`)."""
         if not 0 <= parent < len(self._parent):
             raise SnapshotError(f"parent index {parent} is not an earlier node (have {len(self._parent)})")
         key = np.asarray(tokens, dtype=np.int32).reshape(-1)
@@ -198,6 +201,7 @@ class TreeSnapshotBuilder:
         self._kv.append(kv)
         self._plan.append(tuple(int(p) for p in plan))
         self._fresh.append(bool(plan_fresh))
+        self._seq_end.append(bool(seq_end))
         if hist is not None:
             self._hist.append((i, hist))
         acc = ckpt_access or {}
@@ -220,6 +224,7 @@ class TreeSnapshotBuilder:
         return TreeSnapshot(
             version=np.zeros(len(self._parent), dtype=_I64),
             plan_fresh=np.asarray(self._fresh, dtype=np.bool_),
+            seq_end=np.asarray(self._seq_end, dtype=np.bool_),
             plan_offsets=plan_offs,
             plan_pos=_i64([p for pl in self._plan for p in pl]),
             hist_node=_i64([i for i, _ in self._hist]),
@@ -317,6 +322,7 @@ def tree_to_snapshot(tree: RadixTree) -> TreeSnapshot:
         uid_counter=int(tree._uid),  # noqa: SLF001
         version=np.fromiter((n.version for n in order), dtype=_I64, count=nn),
         plan_fresh=np.fromiter((n.plan_fresh for n in order), dtype=np.bool_, count=nn),
+        seq_end=np.fromiter((n.seq_end for n in order), dtype=np.bool_, count=nn),
         ckpt_node=_i64(ck_node),
         ckpt_pos=_i64(ck_pos),
         ckpt_access=_i64(ck_acc),
@@ -345,7 +351,7 @@ def _validate(s: TreeSnapshot) -> None:
     for name in ("start", "uid", "last_access", "lock_ref"):
         if len(getattr(s, name)) != n:
             raise SnapshotError(f"{name} has {len(getattr(s, name))} entries, expected {n} (one per node)")
-    for name in ("version", "plan_fresh"):
+    for name in ("version", "plan_fresh", "seq_end"):
         a = getattr(s, name)
         if a is not None and len(a) != n:
             raise SnapshotError(f"{name} has {len(a)} entries, expected {n} (one per node)")
@@ -453,6 +459,7 @@ def tree_from_snapshot(
     lock = snap.lock_ref.tolist()
     version = snap.version.tolist() if snap.version is not None else [0] * n
     fresh = snap.plan_fresh.tolist() if snap.plan_fresh is not None else [False] * n
+    seq_end = snap.seq_end.tolist() if snap.seq_end is not None else [False] * n
     kv = snap.kv
     root = tree.root
     root.uid, root.last_access, root.lock_ref, root.version = uid[0], last[0], lock[0], version[0]
@@ -465,6 +472,7 @@ def tree_from_snapshot(
         node.lock_ref = lock[i]
         node.version = version[i]
         node.plan_fresh = fresh[i]
+        node.seq_end = seq_end[i]
         par.children[key.item(0)] = node
         nodes.append(node)
         kv_tokens += offs[i + 1] - offs[i]
