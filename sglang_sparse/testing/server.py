@@ -48,6 +48,31 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
 #: drift ~1e-4 from an fp32 reference (prefill is unaffected); fp32 keeps greedy tokens HF-exact.
 CPU_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
+#: Environment (merged over :data:`CPU_ENV`) selecting the sglang-sparse out-of-tree SGLang platform
+#: ``sglang_sparse_cpu`` (kernels/sglang_sparse_kernels/sgl_kernel_cpu/sglang_platform.py): SGLang's
+#: in-tree CPU platform plus Mamba ``extra_buffer`` support. Opt-in, so servers started without it
+#: keep SGLang's in-tree CPU platform exactly.
+CPU_EXTRA_BUFFER_ENV: dict[str, str] = {"SGLANG_PLATFORM": "sglang_sparse_cpu"}
+
+#: :data:`CPU_SERVER_ARGS` for SGLang's own ``extra_buffer`` Mamba radix-cache strategy with the
+#: overlap schedule ON (no ``--disable-overlap-schedule``); pass ``env=CPU_EXTRA_BUFFER_ENV`` and,
+#: if wanted, ``--page-size N`` in ``extra_args``::
+#:
+#:     SGLangServer(model, base_args=CPU_EXTRA_BUFFER_SERVER_ARGS, env=CPU_EXTRA_BUFFER_ENV,
+#:                  extra_args=["--page-size", "16"])
+CPU_EXTRA_BUFFER_SERVER_ARGS: tuple[str, ...] = (
+    "--device",
+    "cpu",
+    "--skip-tokenizer-init",
+    "--disable-cuda-graph",
+    "--dtype",
+    "float32",
+    "--mem-fraction-static",
+    "0.05",
+    "--mamba-radix-cache-strategy",
+    "extra_buffer",
+)
+
 
 class ServerError(RuntimeError):
     """The server failed to start or died; ``log_tail`` holds the end of its log."""

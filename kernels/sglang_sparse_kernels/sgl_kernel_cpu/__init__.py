@@ -8,10 +8,12 @@ importable and no CUDA device is visible.
 
 Modules: :mod:`.conv` (causal conv1d prefill/decode, conv-state capture), :mod:`.gating` (GDN gates),
 :mod:`.delta_rule` (chunked prefill of the gated delta rule, with optional list capture
-of intermediate states; recurrent decode), :mod:`.norm`
+of intermediate states and per-chunk states ``h``; recurrent decode), :mod:`.norm`
 (gated RMSNorm), :mod:`.kv_copy` (per-layer KV row moves), :mod:`.token_pool` (req->token table
 writes), :mod:`.registry` (``torch.ops.sgl_kernel.*`` registration), :mod:`.sglang_cpu_plugin`
-(routes the two non-AMX Triton-only paths of SGLang 0.5.23 to these ops; input-id guard).
+(routes the two non-AMX Triton-only paths of SGLang 0.5.23 to these ops; input-id guard),
+:mod:`.sglang_platform` (opt-in out-of-tree SGLang CPU platform with Mamba ``extra_buffer``
+support), :mod:`.mamba_track` (torch decode-state tracking copies for ``extra_buffer``).
 """
 
 from .conv import capture_conv_states, causal_conv1d_fwd, causal_conv1d_update

@@ -20,6 +20,13 @@ nothing overflows.
 
 Shapes: ``T`` packed tokens, ``N`` sequences, ``H`` query/key heads, ``HV`` value heads, ``K``/``V``
 head dims, ``S`` pool slots. All arithmetic is fp32.
+
+Per-chunk states ``h`` (:func:`chunk_gated_delta_rule_with_h`) follow FLA's / SGLang's Triton
+``chunk_gated_delta_rule_fwd_h`` convention: sequence ``n`` owns ``ceil(len_n / C)`` consecutive rows
+starting at ``sum_{m<n} ceil(len_m / C)`` (packed input) or row 0 of its batch entry (``B > 1``), and
+its row ``c`` holds the state BEFORE chunk ``c`` (row 0 = the initial state; the final state is not
+in ``h``). They are the very states the chunk loop carries, so ``o`` and the final states do not
+depend on whether ``h`` is requested.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ def _chunk_one(
     state: torch.Tensor,
     chunk: int = DEFAULT_CHUNK,
     capture: list[int] | None = None,
+    h_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One sequence, head-major fp32 inputs.
 
@@ -89,6 +97,8 @@ def _chunk_one(
             final state); otherwise the state before chunk ``c = p // chunk`` advanced by the
             ``r = p % chunk`` remaining tokens with the chunk's own (causal, hence exact) WY rows:
             ``S_p = e^{gam_{r-1}} S_c + sum_{i<r} e^{gam_{r-1} - gam_i} k_i u_i^T``.
+        h_out: optional ``[ceil(L / chunk), HV, K, V]`` destination; row ``c`` receives the carried
+            state before chunk ``c`` (a plain copy: the returned values do not depend on it).
 
     Returns:
         ``(o [HV, L, V], final_state [HV, K, V])``, plus the list of captured ``[HV, K, V]`` fp32
@@ -147,6 +157,8 @@ def _chunk_one(
                 got[j] = s * torch.exp(g_i[:, -1])[:, None, None] + kd @ u
         if i == n:
             break
+        if h_out is not None:
+            h_out[i].copy_(s)
         u = u_const[:, i] - u_state[:, i] @ s  # [HV, C, V]
         out[:, i] = q_decay[:, i] @ s + qk[:, i] @ u
         s = s * chunk_decay[:, i, None, None] + k_tail[:, i].transpose(-1, -2) @ u
@@ -197,7 +209,107 @@ def chunk_gated_delta_rule(
 
     Returns:
         ``(o [B, T, HV, V] in v.dtype, final states [N, HV, V, K] fp32 or None)``.
+        :func:`chunk_gated_delta_rule_with_h` also returns the per-chunk states.
     """
+    o, finals, _ = _chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        head_first,
+        use_qk_l2norm_in_kernel,
+        initial_state_indices,
+        scale,
+        chunk_size,
+        (capture_cu, capture_offsets, capture_slots, capture_pool),
+        output_h=False,
+    )
+    return o, finals
+
+
+def chunk_gated_delta_rule_with_h(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    head_first: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    initial_state_indices: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+    capture_cu: torch.Tensor | None = None,
+    capture_offsets: torch.Tensor | None = None,
+    capture_slots: torch.Tensor | None = None,
+    capture_pool: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`chunk_gated_delta_rule` plus the per-chunk states ``h`` SGLang's Triton path returns.
+
+    Same arguments, side effects, ``o`` and final states (bit for bit) as
+    :func:`chunk_gated_delta_rule`; the list-capture arguments work unchanged.
+
+    Returns:
+        ``(o, final states, h)`` with ``h`` fp32 of shape ``[B, NT, HV, V, K]`` (the pool's V-first
+        layout, like Triton's ``chunk_gated_delta_rule_fwd_h``): ``NT = sum_n ceil(len_n /
+        chunk_size)`` for packed input (``B == 1``; sequence ``n``'s rows start at ``sum_{m<n}
+        ceil(len_m / chunk_size)``), else ``ceil(T / chunk_size)``; ``h[b, row0_n + c]`` is the
+        state of sequence ``n`` before its chunk ``c`` (``c = 0``: the initial state). Rows of
+        padding sequences (negative state index) are zero. ``h`` is a transposed view of a
+        contiguous ``[B, NT, HV, K, V]`` buffer (the chunk loop's own layout, so each row costs one
+        contiguous copy): gather rows from it (``h.squeeze(0)[rows]``, as SGLang's
+        ``_track_mamba_state_extend`` does) rather than ``.view()``-ing it. Triton stores ``h`` in
+        ``k.dtype``; here it stays fp32, the caller rounds once to the pool dtype.
+    """
+    o, finals, h = _chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        head_first,
+        use_qk_l2norm_in_kernel,
+        initial_state_indices,
+        scale,
+        chunk_size,
+        (capture_cu, capture_offsets, capture_slots, capture_pool),
+        output_h=True,
+    )
+    assert h is not None
+    return o, finals, h
+
+
+def _chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: torch.Tensor | None,
+    head_first: bool,
+    use_qk_l2norm_in_kernel: bool,
+    initial_state_indices: torch.Tensor | None,
+    scale: float | None,
+    chunk_size: int,
+    capture: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    *,
+    output_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Shared body of :func:`chunk_gated_delta_rule` and :func:`chunk_gated_delta_rule_with_h`
+    (``capture`` = ``(capture_cu, capture_offsets, capture_slots, capture_pool)``); ``h`` is None
+    unless ``output_h``."""
+    capture_cu, capture_offsets, capture_slots, capture_pool = capture
     if head_first:
         raise NotImplementedError("head_first=True is not supported")
     bsz, total, _, dk = q.shape
@@ -235,11 +347,25 @@ def chunk_gated_delta_rule(
             if cu[i + 1] < cu[i]:
                 raise ValueError(f"capture_cu not non-decreasing: {cu}")
             caps[i] = list(zip(offs[cu[i] : cu[i + 1]], dsts[cu[i] : cu[i + 1]], strict=True))
+    # h rows: sequence i owns ceil(len_i / C) rows from h_row0[i] (packed) or 0 (batched).
+    n_chunks = [-(-(hi - lo) // chunk_size) for _, lo, hi in segs]
+    h_row0 = [0] * n_seq
+    if cu_seqlens is not None:
+        for i in range(1, n_seq):
+            h_row0[i] = h_row0[i - 1] + n_chunks[i - 1]
+    h_kv: torch.Tensor | None = None
+    if output_h:
+        nt = (h_row0[-1] + n_chunks[-1]) if cu_seqlens is not None and n_seq else max(n_chunks, default=0)
+        # empty, not zeros: every row is written below (padding sequences' rows zeroed there), so a
+        # zero fill would only add a pass over a buffer of ceil(T / C) states.
+        h_kv = torch.empty(bsz, nt, hv, dk, dv, dtype=torch.float32, device=v.device)
     out = torch.zeros(bsz, total, hv, dv, dtype=torch.float32, device=v.device)
     finals = torch.zeros(n_seq, hv, dv, dk, dtype=torch.float32, device=v.device)
     for i, (b, lo, hi) in enumerate(segs):
         slot = slots[i]
         if slot < 0:
+            if h_kv is not None:
+                h_kv[b, h_row0[i] : h_row0[i] + n_chunks[i]] = 0.0
             continue
         if initial_state is None:
             s0 = torch.zeros(hv, dk, dv, dtype=torch.float32, device=v.device)
@@ -257,6 +383,7 @@ def chunk_gated_delta_rule(
                 s0,
                 chunk=chunk_size,
                 capture=offsets if offsets else None,
+                h_out=None if h_kv is None else h_kv[b, h_row0[i] : h_row0[i] + n_chunks[i]],
             )
             o, s = res[0], res[1]
             if offsets:
@@ -272,7 +399,8 @@ def chunk_gated_delta_rule(
         finals[i] = s.transpose(-1, -2)
         if initial_state is not None:
             initial_state[slot] = finals[i].to(initial_state.dtype)
-    return out.to(v.dtype), (finals if output_final_state else None)
+    h = None if h_kv is None else h_kv.transpose(-1, -2)
+    return out.to(v.dtype), (finals if output_final_state else None), h
 
 
 def _recurrent_steps(

@@ -107,10 +107,23 @@ def _replace_gate(module: types.ModuleType) -> None:
 
 
 def register() -> None:
-    """Apply the CPU routes (idempotent; patches modules when they are first imported)."""
+    """Apply the CPU routes (idempotent; patches modules when they are first imported).
+
+    When the opt-in out-of-tree platform is selected (``SGLANG_PLATFORM=sglang_sparse_cpu``), also
+    registers the hooks SGLang's extra_buffer strategy needs on the CPU
+    (:func:`.sglang_platform.register_extra_buffer_hooks`); plugins are the only place SGLang
+    applies hooks from (``load_plugins``, before the platform object exists).
+    """
     global _applied
     if _applied:
         return
+    try:
+        from .sglang_platform import platform_selected, register_extra_buffer_hooks
+
+        if platform_selected():
+            register_extra_buffer_hooks()
+    except Exception:  # noqa: BLE001 - a plugin must never take the server down
+        logger.exception("sglang_sparse CPU platform hooks failed")
     try:
         if not needs_cpu_routes():
             return
