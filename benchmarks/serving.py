@@ -1,8 +1,11 @@
 """Replay JSONL traces against a real SGLang CPU server with each cache policy; measure TTFT.
 
-For every trace (default ``doc_qa`` and ``system_prompts``) and every configuration -- the
-``sparse`` backend with ``SGLANG_SPARSE_POLICY`` = ``sparse`` / ``marconi`` / ``lru``, SGLang's
-native cache and ``--disable-radix-cache`` (reference) -- the script starts a fresh server (the
+For every trace (default ``doc_qa`` and ``system_prompts``) and every configuration -- SGLang's
+native cache on its GPU default path (``native_eb``: ``extra_buffer`` state strategy, overlap
+schedule on; on the CPU through the project's platform, ``SGLANG_PLATFORM=sglang_sparse_cpu``) and on
+``no_buffer`` (``native``: overlap off, page size 1), the ``sparse`` backend on extra_buffer with
+``SGLANG_SPARSE_POLICY`` = ``sparse`` / ``marconi`` / ``lru`` and on no_buffer (``sparse_nb``), and
+``--disable-radix-cache`` (reference) -- the script starts a fresh server (the
 bench-size tiny hybrid model from :mod:`sglang_sparse.models.tiny`, random weights, where prefill
 dominates), replays a prefix of the trace **sequentially** and records per request:
 
@@ -19,12 +22,12 @@ traces lose part of their turn-extends-turn structure under this map (documented
 
 Outputs: ``benchmarks/results/serving.json`` and ``benchmarks/results/serving.png``.
 
-    python benchmarks/serving.py --quick            # < 5 min: sparse vs native vs no-cache, 8 requests
-    python benchmarks/serving.py                    # + marconi, lru; 60 requests per trace
+    python benchmarks/serving.py --quick   # < 5 min: sparse vs native_eb, native, no cache; 8 requests
+    python benchmarks/serving.py           # + sparse_nb, marconi, lru; 60 requests per trace
 
-Prefilled tokens are deterministic (the acceptance figures: never more than native on any prefix
-of a slice, share of the perfect-cache saving); TTFT here is sequential and noisy, the comparison
-under load is ``benchmarks/serving_load.py``.
+Prefilled tokens are deterministic (the acceptance figures: never more than the native cache of
+the same state strategy on any prefix of a slice, share of the perfect-cache saving over it); TTFT
+here is sequential and noisy, the comparison under load is ``benchmarks/serving_load.py``.
 """
 
 from __future__ import annotations
@@ -71,14 +74,29 @@ def load_requests(name: str, n: int, *, target: int, tail: int, max_len: int, vo
     ]
 
 
-def configs(quick: bool) -> dict[str, tuple[list[str], dict[str, str]]]:
+#: ``name -> (extra args, env, state strategy)``; ``native`` / ``native_eb`` are the baselines of
+#: their strategy (see :func:`baseline_of`).
+Config = tuple[list[str], dict[str, str], str]
+
+
+def configs(quick: bool) -> dict[str, Config]:
     sparse = ["--radix-cache-backend", "sparse"]
-    c = {"nocache": (["--disable-radix-cache"], {}), "native": ([], {})}
-    c["sparse"] = (sparse, {"SGLANG_SPARSE_POLICY": "sparse"})
+    c: dict[str, Config] = {
+        "nocache": (["--disable-radix-cache"], {}, "no_buffer"),
+        "native": ([], {}, "no_buffer"),
+        "native_eb": ([], {}, "extra_buffer"),
+        "sparse": (sparse, {"SGLANG_SPARSE_POLICY": "sparse"}, "extra_buffer"),
+    }
     if not quick:
-        c["marconi"] = (sparse, {"SGLANG_SPARSE_POLICY": "marconi"})
-        c["lru"] = (sparse, {"SGLANG_SPARSE_POLICY": "lru"})
+        c["sparse_nb"] = (sparse, {"SGLANG_SPARSE_POLICY": "sparse"}, "no_buffer")
+        c["marconi"] = (sparse, {"SGLANG_SPARSE_POLICY": "marconi"}, "extra_buffer")
+        c["lru"] = (sparse, {"SGLANG_SPARSE_POLICY": "lru"}, "extra_buffer")
     return c
+
+
+def baseline_of(strategy: str) -> str:
+    """The native configuration a config on ``strategy`` is compared with."""
+    return "native_eb" if strategy == "extra_buffer" else "native"
 
 
 def run_config(
@@ -90,22 +108,25 @@ def run_config(
     bar,
     context: int,
     log_dir: Path = RESULTS,
+    strategy: str = "no_buffer",
 ) -> dict[str, Any]:
     import requests
 
-    from sglang_sparse.testing.server import SGLangServer
+    from sglang_sparse.testing.server import SGLangServer, strategy_setup
 
+    base, strategy_env = strategy_setup(strategy)
     srv = SGLangServer(
         model_dir,
         extra_args=["--chunked-prefill-size", str(CHUNK), "--mem-fraction-static", "0.3", *extra],
-        env={"SGLANG_SPARSE_LOG_EVERY": "0", **env},
+        env={"SGLANG_SPARSE_LOG_EVERY": "0", **strategy_env, **env},
+        base_args=base,
         context_length=context,
         max_total_tokens=KV_TOKENS,
         max_mamba_cache_size=STATE_SLOTS,
         log_path=log_dir / f"serving_{name}.log",
     )
     srv.start(timeout=600)
-    out: dict[str, Any] = {"startup_s": srv.startup_seconds}
+    out: dict[str, Any] = {"startup_s": srv.startup_seconds, "strategy": strategy}
     try:
         srv.generate([5, 6, 7], 1)  # warm-up outside the measurement
         for tname, reqs in traces.items():
@@ -156,16 +177,19 @@ def _cumulative_prefilled(rows: list[dict]) -> list[int]:
 
 
 def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | None = None) -> dict:
+    """Per trace and config: TTFT, tokens, token equality, and against each native baseline present
+    (``native``, ``native_eb``): TTFT ratio, the prefixes of the slice where the config prefilled
+    more in total, and its share of the perfect cache's saving over that baseline."""
     summary: dict[str, dict] = {}
     for tname in trace_names:
         ref = [r["token"] for r in results["nocache"][tname]["rows"]]
-        native_mean = None
         s: dict[str, dict] = {}
         for cname, res in results.items():
             rows = res[tname]["rows"]
             ttft = [r["ttft"] for r in rows]
             q = sorted(ttft)
-            d = {
+            s[cname] = {
+                "strategy": res.get("strategy", "no_buffer"),
                 "requests": len(rows),
                 "ttft_mean": statistics.fmean(ttft),
                 "ttft_median": statistics.median(ttft),
@@ -176,30 +200,32 @@ def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | Non
                 "tokens_equal_nocache": [r["token"] for r in rows] == ref,
                 "mismatches": sum(a["token"] != b for a, b in zip(rows, ref, strict=True)),
             }
-            s[cname] = d
-            if cname == "native":
-                native_mean = d["ttft_mean"]
-        for d in s.values():
-            d["ttft_mean_vs_native"] = d["ttft_mean"] / native_mean if native_mean else None
-        if "native" in s:
-            # Never worse than native on any prefix of the slice: cumulative prefilled tokens.
-            nat = _cumulative_prefilled(results["native"][tname]["rows"])
+        for base in ("native", "native_eb"):
+            if base not in s:
+                continue
+            b = s[base]
+            nat = _cumulative_prefilled(results[base][tname]["rows"])
+            room = b["prefilled_tokens"] - ideal[tname] if ideal is not None else 0
             for cname, d in s.items():
+                d[f"ttft_mean_vs_{base}"] = d["ttft_mean"] / b["ttft_mean"] if b["ttft_mean"] else None
                 mine = _cumulative_prefilled(results[cname][tname]["rows"])
                 pairs = enumerate(zip(mine, nat, strict=True))
-                d["prefixes_worse_than_native"] = [i + 1 for i, (a, b) in pairs if a > b]
-        if ideal is not None and "native" in s:
-            # what no cache can beat: a perfect cache's prefilled tokens, as a fraction of native's
+                # Never worse than the baseline on any prefix of the slice: cumulative prefilled tokens.
+                d[f"prefixes_worse_than_{base}"] = [i + 1 for i, (x, y) in pairs if x > y]
+                if room > 0:  # the most any cache saves over this baseline
+                    d[f"share_of_perfect_saving_vs_{base}"] = (
+                        b["prefilled_tokens"] - d["prefilled_tokens"]
+                    ) / room
+        if ideal is not None:
+            # what no cache can beat: a perfect cache's prefilled tokens
             s["perfect_cache_bound"] = {
                 "prefilled_tokens": ideal[tname],
-                "prefilled_vs_native": ideal[tname] / max(s["native"]["prefilled_tokens"], 1),
+                **{
+                    f"prefilled_vs_{base}": ideal[tname] / max(s[base]["prefilled_tokens"], 1)
+                    for base in ("native", "native_eb")
+                    if base in s
+                },
             }
-            room = s["native"]["prefilled_tokens"] - ideal[tname]  # the most any cache saves over native
-            for cname, d in s.items():
-                if cname != "perfect_cache_bound" and room > 0:
-                    d["share_of_perfect_saving"] = (
-                        s["native"]["prefilled_tokens"] - d["prefilled_tokens"]
-                    ) / room
         summary[tname] = s
     return summary
 
@@ -279,9 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     results: dict[str, Any] = {}
     with tqdm(total=total, desc="serving replay", file=sys.stderr) as bar:
-        for cname, (extra, env) in cfgs.items():
+        for cname, (extra, env, strategy) in cfgs.items():
             bar.set_postfix_str(cname)
-            results[cname] = run_config(model_dir, cname, extra, env, traces, bar, context, args.out.parent)
+            results[cname] = run_config(
+                model_dir, cname, extra, env, traces, bar, context, args.out.parent, strategy
+            )
     ideal = {t: ideal_prefilled(v) for t, v in traces.items()}
     summary = summarize(results, trace_names, ideal)
     doc = {
@@ -303,19 +331,23 @@ def main(argv: list[str] | None = None) -> int:
     for t, s in summary.items():
         for c, d in s.items():
             if c == "perfect_cache_bound":
-                print(
-                    f"{t:15s} perfect cache would prefill {d['prefilled_tokens']} tokens = "
-                    f"{d['prefilled_vs_native']:.2f}x native's (no cache can do better on this slice)"
+                vs = "  ".join(
+                    f"{v:.2f}x {k[len('prefilled_vs_') :]}'s" for k, v in d.items() if k != "prefilled_tokens"
                 )
+                print(f"{t:15s} perfect cache would prefill {d['prefilled_tokens']} tokens = {vs}")
                 continue
-            r = d["ttft_mean_vs_native"]
-            share = d.get("share_of_perfect_saving")
+            base = baseline_of(d["strategy"])
+            r = d.get(f"ttft_mean_vs_{base}")
+            share = d.get(f"share_of_perfect_saving_vs_{base}")
+            worse = d.get(f"prefixes_worse_than_{base}", [])
             print(
-                f"{t:15s} {c:8s} ttft mean {d['ttft_mean']:.3f}s median {d['ttft_median']:.3f}s "
-                f"p95 {d['ttft_p95']:.3f}s  vs native {r:.2f}x  prefilled {d['prefilled_tokens']} "
-                f"cached {d['cached_tokens']}  tokens==nocache {d['tokens_equal_nocache']}"
+                f"{t:15s} {c:9s} ({d['strategy']}) ttft mean {d['ttft_mean']:.3f}s "
+                f"median {d['ttft_median']:.3f}s "
+                f"p95 {d['ttft_p95']:.3f}s  prefilled {d['prefilled_tokens']} cached {d['cached_tokens']}  "
+                f"tokens==nocache {d['tokens_equal_nocache']}  vs {base}: "
+                + (f"ttft {r:.2f}x" if r is not None else "-")
                 + (f"  perfect-saving share {share:.0%}" if share is not None else "")
-                + f"  prefixes worse than native: {len(d.get('prefixes_worse_than_native', []))}"
+                + f"  prefixes worse: {len(worse)}"
             )
     print(f"wrote {args.out} and {args.out.with_suffix('.png')} in {time.time() - t0:.0f}s")
     return 0

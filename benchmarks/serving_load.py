@@ -4,9 +4,14 @@ Every cache configuration runs as its own real SGLang server on the CPU, all at 
 different loopback ports (the random-weight tiny hybrid Qwen3-Next of
 :mod:`sglang_sparse.models.tiny`, with its word-level tokenizer):
 
-* ``native``  - SGLang's own radix cache (``no_buffer`` Mamba strategy: a state at chunk ends);
-* ``sparse``  - ``--radix-cache-backend sparse``, ``SGLANG_SPARSE_POLICY=sparse``;
-* ``lru``, ``marconi`` - the same backend with ``SGLANG_SPARSE_POLICY=lru`` / ``marconi``;
+* ``native_eb`` - SGLang's own radix cache on its GPU default path: the ``extra_buffer`` Mamba
+  strategy with the overlap schedule on (on the CPU through the project's platform,
+  ``SGLANG_PLATFORM=sglang_sparse_cpu``); the baseline of every ratio;
+* ``native``  - SGLang's own radix cache on ``no_buffer`` (a state at chunk ends; overlap off);
+* ``sparse``  - ``--radix-cache-backend sparse``, ``SGLANG_SPARSE_POLICY=sparse``, on extra_buffer
+  (overlap on); ``sparse_nb`` the same on no_buffer;
+* ``lru``, ``marconi`` - the same backend on extra_buffer with ``SGLANG_SPARSE_POLICY=lru`` /
+  ``marconi``;
 * ``sparse_cut`` - ``sparse`` with ``SGLANG_SPARSE_CAPTURE=cut`` (planned states by chunk cuts
   instead of in-forward capture; not in the default set);
 * ``nocache`` - ``--disable-radix-cache`` (the reference for token equality);
@@ -135,21 +140,25 @@ if str(ROOT) not in sys.path:  # `python benchmarks/serving_load.py` as well as 
 
 TRACES = ROOT / "traces" / "build"
 
-#: configuration name -> (extra server flags, extra environment)
-CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
-    "native": ((), {}),
-    "sparse": (("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "sparse"}),
-    "lru": (("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "lru"}),
-    "marconi": (("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "marconi"}),
+_SPARSE = ("--radix-cache-backend", "sparse")
+#: configuration name -> (extra server flags, extra environment, Mamba state strategy)
+CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
+    "native_eb": ((), {}, "extra_buffer"),
+    "native": ((), {}, "no_buffer"),
+    "sparse": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse"}, "extra_buffer"),
+    "sparse_nb": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse"}, "no_buffer"),
+    "lru": (_SPARSE, {"SGLANG_SPARSE_POLICY": "lru"}, "extra_buffer"),
+    "marconi": (_SPARSE, {"SGLANG_SPARSE_POLICY": "marconi"}, "extra_buffer"),
     # the chunk-cut capture path (issue 10 compares it with the default in-forward capture)
     "sparse_cut": (
-        ("--radix-cache-backend", "sparse"),
+        _SPARSE,
         {"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_CAPTURE": "cut"},
+        "extra_buffer",
     ),
-    "nocache": (("--disable-radix-cache",), {}),
+    "nocache": (("--disable-radix-cache",), {}, "no_buffer"),
 }
 #: configurations served by the sparse backend (their /server_info carries the sparse statistics)
-SPARSE_BACKEND = tuple(c for c, (flags, _) in CONFIGS.items() if "--radix-cache-backend" in flags)
+SPARSE_BACKEND = tuple(c for c, (flags, _, _) in CONFIGS.items() if "--radix-cache-backend" in flags)
 
 
 def config_base(name: str) -> str:
@@ -183,6 +192,15 @@ METRICS: dict[str, tuple[str, str, bool]] = {
     "median_itl_ms": ("ITL p50", "ms", False),
     "p95_itl_ms": ("ITL p95", "ms", False),
 }
+#: measured on the server per run: CPU seconds (user + system) per completed request of the whole
+#: server process tree and of its scheduler process (the CPU time a GPU waits on under the overlap
+#: schedule), and the prefill forwards it ran (``Prefill batch`` log lines)
+SERVER_METRICS: dict[str, tuple[str, str, bool]] = {
+    "cpu_s_per_request": ("server CPU/req", "s", False),
+    "scheduler_cpu_s_per_request": ("scheduler CPU/req", "s", False),
+    "prefill_forwards": ("prefill fwds", "", False),
+}
+ALL_METRICS = {**METRICS, **SERVER_METRICS}
 #: token counts per run (sums over the run's requests)
 TOKEN_KEYS = ("prompt_tokens", "cached_tokens", "prefilled_tokens")
 
@@ -216,7 +234,7 @@ SERVER_RSS_GB = 2.1
 
 FULL_DEFAULTS: dict[str, Any] = dict(
     workloads="doc_qa,system_prompts,rag,agent",
-    configs="native,sparse,lru,marconi,nocache",
+    configs="native_eb,native,sparse,sparse_nb,lru,marconi,nocache",
     reps=3,
     requests=24,
     rates="2,4,8",
@@ -227,7 +245,7 @@ FULL_DEFAULTS: dict[str, Any] = dict(
 )
 QUICK_DEFAULTS: dict[str, Any] = dict(
     workloads="doc_qa",
-    configs="native,sparse,lru,nocache",
+    configs="native_eb,native,sparse,nocache",
     reps=3,
     requests=16,
     rates="4",
@@ -441,7 +459,9 @@ def size_pools(acc: dict[str, int], fraction: float, min_running: int) -> dict[s
     kv_floor = 2 * acc["max_seq"]
     kv = max(math.ceil(fraction * acc["footprint_tokens"]), kv_floor)
     cached_states = max(1, math.ceil(fraction * acc["reuse_points"]))
-    working = 3 * min_running
+    # SGLang caps running requests at pool / 3 with no_buffer and pool / 5 with extra_buffer and the
+    # overlap schedule (a working slot + two ping-pong track slots each): room for min_running on both
+    working = 5 * min_running
     return {
         "target_fraction": fraction,
         "max_total_tokens": kv,
@@ -450,7 +470,7 @@ def size_pools(acc: dict[str, int], fraction: float, min_running: int) -> dict[s
         "max_mamba_cache_size": working + cached_states,
         "state_working_slots": working,
         "state_fraction": cached_states / max(acc["reuse_points"], 1),
-        "max_running_requests": (working + cached_states) // 3,
+        "max_running_requests": (working + cached_states) // 5,
     }
 
 
@@ -576,7 +596,7 @@ def mem_available_gb() -> float:
 
 def server_args(config: str, chunk: int, chat_template: Path) -> list[str]:
     """Extra server flags of ``config`` on top of the CPU defaults (tokenizer on, sleep on idle)."""
-    flags, _ = CONFIGS[config_base(config)]
+    flags = CONFIGS[config_base(config)][0]
     return [
         "--sleep-on-idle",
         "--chat-template",
@@ -599,7 +619,7 @@ def start_servers(
     tag: str,
 ) -> dict[str, Any]:
     """Start one server per configuration, concurrently; all or none (stops the started ones)."""
-    from sglang_sparse.testing.server import CPU_SERVER_ARGS, SGLangServer
+    from sglang_sparse.testing.server import SGLangServer, strategy_setup
 
     need = len(configs) * SERVER_RSS_GB + 1.0
     avail = mem_available_gb()
@@ -608,13 +628,16 @@ def start_servers(
             f"error: {len(configs)} servers need ~{need:.0f} GB, {avail:.1f} GB available; "
             "pass fewer --configs"
         )
-    base = [a for a in CPU_SERVER_ARGS if a != "--skip-tokenizer-init"]
+    def setup(c: str) -> tuple[list[str], dict[str, str]]:
+        base, env = strategy_setup(CONFIGS[config_base(c)][2])
+        return [a for a in base if a != "--skip-tokenizer-init"], env
+
     servers = {
         c: SGLangServer(
             model_dir,
             extra_args=server_args(c, chunk, chat_template),
-            env={"SGLANG_SPARSE_LOG_EVERY": "0", **CONFIGS[config_base(c)][1]},
-            base_args=base,
+            env={"SGLANG_SPARSE_LOG_EVERY": "0", **setup(c)[1], **CONFIGS[config_base(c)][1]},
+            base_args=setup(c)[0],
             max_total_tokens=pools["max_total_tokens"],
             max_mamba_cache_size=pools["max_mamba_cache_size"],
             context_length=context,
@@ -705,6 +728,7 @@ def run_one(
     """Flush ``srv``, run the client once, return the run record (metrics, tokens, texts)."""
     flush(srv)
     before = sparse_snapshot(srv) if is_sparse_backend(config) else {}
+    cpu0, log0 = server_cpu(srv), log_size(srv)
     t0 = time.perf_counter()
     row = worker.run(
         out_file,
@@ -721,11 +745,16 @@ def run_one(
         extra=["--output-details", "--cache-report", "--warmup-requests", "0"],
     )
     wall = time.perf_counter() - t0
+    cpu1, forwards = server_cpu(srv), prefill_forwards(srv, log0)
     after = sparse_snapshot(srv) if is_sparse_backend(config) else {}
     lens = [int(x) for x in row.get("input_lens") or []]
     cached = [int(x or 0) for x in row.get("cached_tokens") or []]
     rec: dict[str, Any] = {k: row.get(k) for k in METRICS}
+    done = max(int(row.get("completed") or 0), 1)
     rec.update(
+        cpu_s_per_request=(cpu1["tree"] - cpu0["tree"]) / done,
+        scheduler_cpu_s_per_request=(cpu1["scheduler"] - cpu0["scheduler"]) / done,
+        prefill_forwards=forwards,
         completed=row.get("completed"),
         duration_s=row.get("duration"),
         wall_s=wall,
@@ -741,6 +770,47 @@ def run_one(
     if is_sparse_backend(config):
         rec["sparse"] = sparse_delta(before, after)
     return rec
+
+
+def server_cpu(srv: Any) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the server's whole process tree (launcher, tokenizer,
+    scheduler, detokenizer, the sparse backend's replay worker) and of its scheduler process."""
+    import psutil
+
+    tree = sched = 0.0
+    try:
+        root = psutil.Process(srv.proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except (psutil.Error, AttributeError):
+        return {"tree": 0.0, "scheduler": 0.0}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            c = t.user + t.system
+            title = (p.cmdline() or [""])[0]
+        except psutil.Error:
+            continue
+        tree += c
+        if title.startswith("sglang::scheduler"):
+            sched += c
+    return {"tree": tree, "scheduler": sched}
+
+
+def log_size(srv: Any) -> int:
+    try:
+        return Path(srv.log_path).stat().st_size
+    except OSError:
+        return 0
+
+
+def prefill_forwards(srv: Any, since: int) -> int:
+    """Prefill forwards the scheduler logged (``Prefill batch``) after byte offset ``since``."""
+    try:
+        with open(srv.log_path, "rb") as f:
+            f.seek(since)
+            return f.read().count(b"Prefill batch")
+    except OSError:
+        return 0
 
 
 def sequential_outputs(srv: Any, wl: Workload) -> list[list[int]]:
@@ -786,7 +856,7 @@ def summarize_workload(
         cells: dict[str, Any] = {}
         for c in configs:
             cells[c] = {}
-            for key in (*METRICS, *TOKEN_KEYS):
+            for key in (*ALL_METRICS, *TOKEN_KEYS):
                 s = spread(series(c, key), kind)
                 cells[c][key] = {**s.as_dict(), "values": series(c, key)} if s else None
         ratios: dict[str, Any] = {}
@@ -796,7 +866,7 @@ def summarize_workload(
                 if c == b or (bi > 0 and c != "sparse"):
                     continue
                 ratios[b][c] = {}
-                for key in (*METRICS, "prefilled_tokens"):
+                for key in (*ALL_METRICS, "prefilled_tokens"):
                     per_rep = paired_ratios(series(c, key), series(b, key))
                     s = spread(per_rep, kind)
                     ratios[b][c][key] = (
@@ -820,6 +890,7 @@ def summarize_workload(
 
 #: (subject, reference) pairs whose TTFT ratio is checked against their prefilled-token ratio
 TTFT_PAIRS = (
+    ("sparse", "native_eb"),
     ("sparse", "lru"),
     ("sparse", "native"),
     ("sparse", "marconi"),
@@ -937,11 +1008,14 @@ def print_workload(name: str, doc: dict[str, Any], configs: Sequence[str], basel
         "p99_ttft_ms",
         "median_itl_ms",
         "p95_itl_ms",
+        "cpu_s_per_request",
+        "scheduler_cpu_s_per_request",
+        "prefill_forwards",
     )
     for label, ws in doc["summary"].items():
         rows = [[c, *(fmt_spread(_cell(ws, c, k)) for k in (*keys, "prefilled_tokens"))] for c in configs]
         print(f"\n-- {name} @ {label} (median [min-max] over repetitions)")
-        print(table(rows, ["config", *(METRICS[k][0] for k in keys), "prefilled tok"]))
+        print(table(rows, ["config", *(ALL_METRICS[k][0] for k in keys), "prefilled tok"]))
         for b in baselines:
             if b not in ws["ratios"]:
                 continue
@@ -951,7 +1025,7 @@ def print_workload(name: str, doc: dict[str, Any], configs: Sequence[str], basel
             ]
             if rrows:
                 print(f"   ratios vs {b} (per-repetition, n.s. = spread includes 1)")
-                print(table(rrows, ["config", *(METRICS[k][0] for k in keys), "prefilled tok"]))
+                print(table(rrows, ["config", *(ALL_METRICS[k][0] for k in keys), "prefilled tok"]))
         for pair, v in ws.get("ttft_vs_prefill", {}).items():
             if v["gap"] is None:
                 continue
@@ -1040,7 +1114,7 @@ def run_load(
     *,
     workloads: Sequence[str],
     configs: Sequence[str],
-    baselines: Sequence[str] = ("native", "lru", "marconi"),
+    baselines: Sequence[str] = ("native_eb", "native", "lru", "marconi"),
     reps: int = 3,
     requests: int = 24,
     target_len: int = 768,
@@ -1274,7 +1348,7 @@ def build_parser() -> argparse.ArgumentParser:
         "server of NAME (A/A control, e.g. lru,lru#2)",
     )
     ap.add_argument(
-        "--baselines", default="native,lru,marconi", help="ratio denominators (default %(default)s)"
+        "--baselines", default="native_eb,native,lru,marconi", help="ratio denominators (default %(default)s)"
     )
     ap.add_argument("--reps", type=int, help="interleaved repetitions per cell (default 3)")
     ap.add_argument("--requests", type=int, help="requests per single-turn workload (full 24, quick 16)")

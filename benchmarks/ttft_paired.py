@@ -24,7 +24,7 @@ A/A control of :func:`benchmarks.serving_load.config_base`):
 Command (the committed run, ~10 min)::
 
     python -m benchmarks.ttft_paired --workload doc_qa --requests 60 --reps 3 \\
-        --configs sparse,lru,lru#2,native
+        --configs sparse,native_eb,native_eb#2,lru,native
 
 Writes ``benchmarks/results/ttft_paired.json`` (``--out``).
 """
@@ -55,7 +55,7 @@ from benchmarks.serving_load import (  # noqa: E402
     start_servers,
 )
 
-DEFAULT_PAIRS = ("sparse/lru", "sparse/native", "lru/native")
+DEFAULT_PAIRS = ("sparse/native_eb", "sparse/lru", "sparse/native", "lru/native_eb", "native/native_eb")
 
 
 def stream_ttft(server: Any, input_ids: Sequence[int], output_len: int) -> dict[str, Any]:
@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="doc_qa", choices=("doc_qa", "system_prompts", "rag"))
     ap.add_argument("--requests", type=int, default=60, help="requests of the trace (default 60)")
     ap.add_argument("--reps", type=int, default=3, help="passes over the requests (default 3)")
-    ap.add_argument("--configs", default="sparse,lru,lru#2,native", help="servers; NAME#2 = a second NAME")
+    ap.add_argument(
+        "--configs", default="sparse,native_eb,native_eb#2,lru,native", help="servers; NAME#2 = a second NAME"
+    )
     ap.add_argument("--pairs", default=",".join(DEFAULT_PAIRS), help="a/b pairs to summarise")
     ap.add_argument("--target-len", type=int, default=768, help="median prompt after shrinking (tokens)")
     ap.add_argument("--output-len", type=int, default=16, help="tokens generated per request")

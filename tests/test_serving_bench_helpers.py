@@ -20,16 +20,27 @@ def test_shrink_keeps_shared_heads_shared_and_tails_verbatim() -> None:
     assert all(4 <= x < 50 for x in a + b)
 
 
-def test_summary_flags_prefixes_worse_than_native_and_perfect_share() -> None:
-    from benchmarks.serving import summarize
+def test_summary_compares_each_config_with_both_native_baselines() -> None:
+    from benchmarks.serving import baseline_of, summarize
 
-    def rows(cached: list[int]) -> dict:
-        return {"t": {"rows": [{"ttft": 1.0, "prompt": 100, "cached": c, "token": [1]} for c in cached]}}
+    def rows(cached: list[int], strategy: str = "no_buffer") -> dict:
+        r = [{"ttft": 1.0, "prompt": 100, "cached": c, "token": [1]} for c in cached]
+        return {"strategy": strategy, "t": {"rows": r}}
 
-    results = {"nocache": rows([0, 0, 0]), "native": rows([0, 50, 50]), "sparse": rows([0, 0, 90])}
+    results = {
+        "nocache": rows([0, 0, 0]),
+        "native": rows([0, 50, 50]),
+        "native_eb": rows([0, 40, 64], "extra_buffer"),
+        "sparse": rows([0, 0, 90], "extra_buffer"),
+    }
     s = summarize(results, ["t"], {"t": 150})["t"]
     # cumulative prefilled: native 100, 150, 200; sparse 100, 200, 210 -> worse at prefixes 2 and 3
     assert s["sparse"]["prefixes_worse_than_native"] == [2, 3]
     assert s["native"]["prefixes_worse_than_native"] == []
     # native prefills 200, a perfect cache 150: sparse (210) saves -10 of the 50 possible
-    assert s["sparse"]["share_of_perfect_saving"] == -10 / 50
+    assert s["sparse"]["share_of_perfect_saving_vs_native"] == -10 / 50
+    # native_eb prefills 100, 160, 196: sparse is worse at 2 and 3, and saves -14 of the 46 possible
+    assert s["sparse"]["prefixes_worse_than_native_eb"] == [2, 3]
+    assert s["sparse"]["share_of_perfect_saving_vs_native_eb"] == -14 / 46
+    assert s["sparse"]["strategy"] == "extra_buffer" and baseline_of("extra_buffer") == "native_eb"
+    assert s["perfect_cache_bound"]["prefilled_vs_native_eb"] == 150 / 196

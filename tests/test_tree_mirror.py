@@ -180,42 +180,45 @@ def test_match_result_after_a_later_split() -> None:
     assert r.node.uid == 1 and r.resume_depth == 100 and [n.uid for n in r.path] == [2, 1]
 
 
-def test_free_states_are_speculative_until_used() -> None:
-    """An unplanned checkpoint taken while a slot is free is kept, evicted before every other
-    state, and becomes a normal state once a request resumes from it; without a free slot (or with
-    ``free_states`` off) it is rejected."""
+def test_admission_decides_every_offered_state_and_probation_goes_first() -> None:
+    """Admission governs every state the engine offers: a planned position is a normal state, a
+    first-sight position of the plan or an unplanned chunk end (computed anyway) is kept on
+    probation (evicted before every other state, although the newest; promoted once a request
+    resumes from it); with probation off an unplanned chunk end is rejected whatever the room."""
     pol = _policy("sparse")
     eng = MiniEngine(pol)
-    old = eng.insert(list(range(100, 200)))  # a normal (final) state
+    old = eng.insert(list(range(100, 200)))  # a state the engine holds before (no plan: SGLang's)
     doc = list(range(1000, 1300))
     node, d, r = eng.match(doc)
-    pol.plan("a", len(doc), 2, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
-    assert not pol.admit("a", 256, finished=False, free_slots=0)  # unplanned, no free slot
-    assert pol.admit("a", 256, finished=False, free_slots=3)  # unplanned, a free slot: speculative
-    chunk = eng.insert(doc[:256])
+    plan = pol.plan("a", len(doc), 2, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    assert plan.probation, plan  # first sight of the document: probation states on it
+    first = min(plan.probation)
+    assert first % 64 == 0 and 64 <= first < len(doc)
+    assert pol.admit("a", first, finished=False, free_slots=0)  # probation, whatever the room
+    state = eng.insert(doc[:first])
     pol.end_checkpoint()
-    assert pol.is_speculative(chunk.id) and not pol.is_speculative(old.id)
-    assert next(pol.eviction_order()) == chunk.id  # first to go, although the newest
-    assert pol.stats.ckpt_free == 1 and pol.stats.ckpt_rejected == 1
-    # A second request on the same document resumes from it: promoted.
-    q = doc[:256] + [7, 7, 7]
+    assert pol.is_speculative(state.id) and not pol.is_speculative(old.id)
+    assert next(pol.eviction_order()) == state.id  # first to go, although the newest
+    assert pol.stats.ckpt_probation == 1 and pol.stats.ckpt_rejected == 0
+    # A second request on the same document resumes from it: promoted, a normal state.
+    q = doc[:first] + [7, 7, 7]
     node, d, r = eng.match(q)
-    assert r == 256
+    assert r == first
     pol.plan("b", len(q), 2, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
-    assert not pol.is_speculative(chunk.id) and pol.stats.free_state_hits == 1
+    assert not pol.is_speculative(state.id) and pol.stats.probation_hits == 1
     assert pol.mirror.num_states == 2 and next(pol.eviction_order()) == old.id
-    # Off: unplanned checkpoints are rejected whatever the free slots.
-    off = _policy("sparse", free_states=False)
+    # An unplanned chunk end: on probation (the engine computed it anyway) ...
+    unplanned = next(q for q in range(64, len(doc), 64) if q not in plan.positions)
+    assert pol.admit("a", unplanned, finished=False, free_slots=0) and pol._probation_next
+    pol.end_checkpoint()
+    # ... rejected with probation off, whatever the free slots; no first-sight positions either.
+    off = _policy("sparse", probation=0)
     MiniEngine(off)
-    off.plan("c", 10, 2, kv_node_id=None, engine_kv=0, engine_prefix=0)
-    assert not off.admit("c", 5, finished=False, free_slots=10)
-    # No free slot but an older speculative state to replace: kept (the allocation evicts that one).
-    pol.admit("a", 300, finished=False, free_slots=3)
-    spec = eng.insert(doc[:300] + [1])
-    pol.end_checkpoint()
-    assert pol.is_speculative(spec.id)
-    assert pol.admit("a", 280, finished=False, free_slots=0)
-    pol.end_checkpoint()
+    p0 = off.plan("c", 300, 2, kv_node_id=None, engine_kv=0, engine_prefix=0)
+    assert not (p0.probation - {302}), p0
+    unplanned = next(q for q in range(64, 300, 64) if q not in p0.positions)
+    assert not off.admit("c", unplanned, finished=False, free_slots=100)
+    assert off.stats.ckpt_rejected == 1
 
 
 def test_alpha_tuned_once_by_default() -> None:

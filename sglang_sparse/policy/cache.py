@@ -13,13 +13,16 @@ Per request (SGLang mapping in brackets)::
     freed = cache.evict_to_budget()            # or cache.evict(num_bytes) [evict]
     free(freed.kv); free(freed.states)
 
-Units: tokens, bytes (``budget_bytes`` is shared by KV and states), FLOPs.
+``observe`` also recognises a session's next turn (a match ending exactly at a leaf where a
+sequence ended) and ``insert`` hangs the new sequence on that session (:mod:`.chains`; an engine
+mirror, which has no ``insert``, calls :meth:`HybridCache.end_sequence` on a request's final
+insert instead). Units: tokens, bytes (``budget_bytes`` is shared by KV and states), FLOPs.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +31,7 @@ from sglang_sparse.tree import Freed, InsertResult, KVOps, MatchResult, Node, Ra
 from sglang_sparse.tree.radix import LawProvider, Tokens
 
 from .admission import capture_positions
+from .chains import ChainTracker
 from .cost_model import ModelCostModel
 from .eviction import Evictor
 from .probation import DEFAULT_PROBATION_BUDGET, ProbationPlanner
@@ -56,9 +60,10 @@ class CacheSnapshot:
     eviction weight in use (>= 0); ``min_cut_gain`` (tokens); ``tail``: the learned
     :class:`TailPrior` (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None``:
     derived from the budget); ``probation``: the state handles on probation and ``prober`` the
-    learned :class:`~.probation.ProbationPlanner` (``None`` = a fresh one). Engines that keep their
-    own tree build ``tree`` with :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest
-    from their config.
+    learned :class:`~.probation.ProbationPlanner` (``None`` = a fresh one); ``chains``: the online
+    sessions (:class:`~.chains.ChainTracker`; ``None`` = a fresh one; the nodes' chain ids are in
+    ``tree``). Engines that keep their own tree build ``tree`` with
+    :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest from their config.
     """
 
     tree: TreeSnapshot
@@ -71,6 +76,7 @@ class CacheSnapshot:
     fit_tokens: int | None = None
     probation: frozenset[Any] = frozenset()
     prober: ProbationPlanner | None = None
+    chains: ChainTracker | None = None
 
 
 class HybridCache:
@@ -149,13 +155,20 @@ class HybridCache:
         #: state handles on probation (``sparse`` admission only; see :mod:`.probation`)
         self.probation: set[Any] = set()
         self.prober = ProbationPlanner(gamma, grid=grid, budget=probation_budget)
-        self.evictor = Evictor(
-            self.tree,
+        #: online sessions (chains of leaves continued from their end; see :mod:`.chains`), tracked
+        #: for every policy, used by eviction when ``spec.eviction.chain_recency``
+        self.chains = ChainTracker(grid=grid)
+        self.evictor = self._new_evictor(self.tree, alpha if self.spec.flop_aware else 0.0)
+
+    def _new_evictor(self, tree: RadixTree, alpha: float) -> Evictor:
+        return Evictor(
+            tree,
             self.spec.eviction,
-            cost,
-            alpha if self.spec.flop_aware else 0.0,
+            self.cost,
+            alpha,
             capacity_bytes=self.budget_bytes,
             probation=self.probation,
+            chains=self.chains,
         )
 
     # ------------------------------------------------------------------ flat snapshot
@@ -173,6 +186,7 @@ class HybridCache:
             fit_tokens=self.fit_tokens,
             probation=frozenset(self.probation),
             prober=copy.deepcopy(self.prober),
+            chains=copy.deepcopy(self.chains),
         )
 
     @classmethod
@@ -210,19 +224,18 @@ class HybridCache:
         cache.probation.update(snap.probation)
         if snap.prober is not None:
             cache.prober = copy.deepcopy(snap.prober)
+        if snap.chains is not None:
+            cache.chains = copy.deepcopy(snap.chains)
+            cache.evictor.chains = cache.chains
+        elif t.chain is not None and len(t.chain) and int(t.chain.max()) >= 0:
+            # chain ids without their statistics: they score as chain-less; new ids must not reuse them
+            cache.chains.next_id = int(t.chain.max()) + 1
         return cache
 
     def use_tree(self, tree: RadixTree) -> None:
         """Run this cache's policy on ``tree`` (an engine mirror) with a fresh evictor over it."""
         self.tree = tree
-        self.evictor = Evictor(
-            tree,
-            self.spec.eviction,
-            self.cost,
-            self.evictor.alpha,
-            capacity_bytes=self.budget_bytes,
-            probation=self.probation,
-        )
+        self.evictor = self._new_evictor(tree, self.evictor.alpha)
 
     # ------------------------------------------------------------------ knobs
 
@@ -249,7 +262,8 @@ class HybridCache:
         return self.tree.match(tokens)
 
     def observe(self, match: MatchResult) -> None:
-        """Record the admitted request's match (clock, recency, depth law, re-plans, tail prior)."""
+        """Record the admitted request's match (clock, recency, depth law, re-plans, tail prior,
+        and an arrival of the online session it continues, if any: :mod:`.chains`)."""
         node = match.node
         if match.kv_depth >= self.grid and node.parent is not None and not node.children and node.seq_end:
             # Divergences above the first grid step cannot be served by any checkpoint: not evidence.
@@ -259,7 +273,20 @@ class HybridCache:
         if self.spec.admission == "sparse":
             self.prober.observe(match.kv_depth)
         self.promote(match)
+        cont = self.chains.continuation(match)
+        before = cont.last_access if cont is not None else 0
         self.tree.observe(match)
+        if cont is not None:
+            known = cont.chain >= 0
+            self.chains.arrive(cont, self.tree.clock, before)
+            if not known:
+                self.chains.collect(self.tree.nodes())
+
+    def end_sequence(self, node: Node) -> None:
+        """A sequence (a request's input + output) ended at ``node``'s end: it joins the chain it
+        continued, if any (:meth:`~.chains.ChainTracker.end_sequence`). :meth:`insert` calls it; an
+        engine mirror calls it on a request's final insert."""
+        self.chains.end_sequence(node)
 
     def promote(self, match: MatchResult) -> bool:
         """A request resumes from ``match``'s checkpoint: if it was on probation it becomes a normal
@@ -276,13 +303,21 @@ class HybridCache:
         capture (:meth:`plan`'s positions, probation ones included)."""
         return list(self.plan(match, input_len, total_len).positions)
 
-    def plan(self, match: MatchResult, input_len: int, total_len: int | None = None) -> CapturePlan:
+    def plan(
+        self,
+        match: MatchResult,
+        input_len: int,
+        total_len: int | None = None,
+        named: Sequence[int] = (),
+    ) -> CapturePlan:
         """The states this request captures: positions in ``(match.resume_depth, total_len]``,
         ``<= input_len`` during prefill, deeper ones during decode (``total_len`` defaults to
         ``input_len``), and which of them are kept on probation.
 
-        ``sparse`` admission: its planned positions (:func:`~.admission.capture_positions`), plus on
-        probation up to ``probation_budget`` first-sight positions on the new part of the prompt
+        ``sparse`` admission: its planned positions (:func:`~.admission.capture_positions`) and the
+        positions the request ``named`` itself (prompt positions an application knows divergences
+        at: chat message boundaries, the end of a document), plus on probation up to
+        ``probation_budget`` first-sight positions on the new part of the prompt
         (:class:`~.probation.ProbationPlanner`) and the last-token state when it is not planned.
 
         ``min_cut_gain`` (engine cost, tokens; 0 = captures are free, as with a capture kernel):
@@ -305,6 +340,7 @@ class HybridCache:
         )
         probation: set[int] = set()
         if self.spec.admission == "sparse":
+            pos = sorted(set(pos).union(p for p in named if match.resume_depth < p <= input_len))
             lo = max(match.kv_depth, match.resume_depth)
             fits = self.fit_tokens is None or total <= self.fit_tokens
             if fits:
@@ -335,6 +371,7 @@ class HybridCache:
         The new states at ``probation`` positions go on probation (a position that already held a
         state keeps it, as it was)."""
         res = self.tree.insert(tokens, kv, checkpoints, kv_offset=kv_offset)
+        self.end_sequence(res.node)
         if probation and checkpoints:
             unused = set(res.unused_states)
             for p in probation:

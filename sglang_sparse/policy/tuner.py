@@ -59,12 +59,20 @@ class AlphaTuner:
         else:
             with ProcessPoolExecutor(max_workers=min(self.workers, len(self.grid))) as pool:
                 scores = list(pool.map(evaluate, self.grid))
+        return self.choose(scores, at_request=at_request, current=current)
+
+    def choose(self, scores: Sequence[float], at_request: int = 0, current: float | None = None) -> float:
+        """The decision of :meth:`tune` from the grid's ``scores`` (in grid order), computed
+        elsewhere (e.g. a worker process): the best alpha, on ties ``current`` if it is on the grid,
+        else the first. Recorded in :attr:`history`."""
+        if len(scores) != len(self.grid):
+            raise ValueError(f"{len(scores)} scores for a grid of {len(self.grid)} alphas")
         best = max(range(len(scores)), key=lambda i: (scores[i], -i))
         if current is not None and float(current) in self.grid:
             i = self.grid.index(float(current))
             if scores[i] >= scores[best]:
                 best = i
-        self.history.append((at_request, self.grid[best], tuple(scores)))
+        self.history.append((at_request, self.grid[best], tuple(float(x) for x in scores)))
         self.reference_hit_rate = None
         return self.grid[best]
 

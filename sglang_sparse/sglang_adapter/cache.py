@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from .hints import request_checkpoints
 from .tree_policy import EngineNode, TreePolicy
 
 logger = logging.getLogger("sglang_sparse")
@@ -140,12 +141,42 @@ class SparseMambaComponent(MambaComponent):
 
     # ---------------------------------------------------------------- keep (admission)
 
+    _deferred = False
+
+    def offered_position(self, req, token_ids_len: int, is_finished: bool) -> int | None:
+        """Depth (tokens) of the state SGLang offers at this checkpoint, ``None`` if none: the live
+        state at ``token_ids_len`` with no_buffer; with extra_buffer the snapshot its ping-pong
+        buffer names (the extend's last grid point, a decode track, or at finish the latest of the
+        two that fits the key, as ``MambaComponent._select_finished_checkpoint`` picks it)."""
+        if not self.cache.enable_mamba_extra_buffer:
+            return int(token_ids_len)
+        if is_finished:
+            if req.kv.mamba_ping_pong_track_buffer is None:
+                return None
+            chosen = self._select_finished_checkpoint(req, token_ids_len)
+            return None if chosen is None else int(chosen[0])
+        pos = req.kv.mamba_last_track_seqlen
+        return None if pos is None else int(pos)
+
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
         policy: TreePolicy = self.cache.policy
+        self._deferred = False
+        pos = self.offered_position(req, token_ids_len, is_finished)
+        if not pos:
+            return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+        if pos < int(req.kv.cache_protected_len):
+            # A deeper state of this request is already in the tree (published capture): this one
+            # is shallower on the same path and dominated. Nothing to insert.
+            return 0
         free = int(self.cache.req_to_token_pool.mamba_allocator.available_size())
-        if not policy.admit(req.rid, token_ids_len, finished=is_finished, free_slots=free):
+        if not policy.admit(req.rid, pos, finished=is_finished, free_slots=free):
             # Skip the whole insert before a slot is allocated; the KV stays request-owned and is
-            # published by the next admitted checkpoint (or the final one).
+            # published by the next admitted checkpoint (or the final one). With extra_buffer a
+            # request whose plan wants a state past the prompt keeps naming the snapshot, so the
+            # finish can still fall back to it (SGLang picks the latest snapshot that fits).
+            self._deferred = (
+                self.cache.enable_mamba_extra_buffer and not is_finished and policy.wants_final_state(req.rid)
+            )
             return 0
         return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
 
@@ -155,14 +186,18 @@ class SparseMambaComponent(MambaComponent):
             self.cache.policy.on_state_set(node.id)
 
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
+        kept = (req.kv.mamba_last_track_seqlen, req.kv.mamba_prev_track_seqlen) if self._deferred else None
         super().cleanup_after_caching_req(
             req, is_finished=is_finished, insert_result=insert_result, insert_params=insert_params
         )
+        if kept is not None:  # a deferred snapshot stays named in the ping-pong buffer
+            req.kv.mamba_last_track_seqlen, req.kv.mamba_prev_track_seqlen = kept
+        self._deferred = False
         self.cache.policy.end_checkpoint()
         if insert_result is not None and insert_result.last_device_node is not None:
             node_id = getattr(insert_result.last_device_node, "id", insert_result.last_device_node)
-            if self.tree_core.node_by_id(node_id) is not None:
-                self.cache.policy.on_insert(node_id)
+            if self.tree_core._node_arena.get(node_id) is not None:  # noqa: SLF001 - lookup, no KeyError
+                self.cache.policy.on_insert(node_id, finished=is_finished)
         self.cache.maybe_check_invariants("checkpoint")
 
     # ---------------------------------------------------------------- mirror state frees
@@ -188,20 +223,30 @@ class SparseMambaComponent(MambaComponent):
 
     def _walk_order(self) -> Iterator[tuple[Any, bool]]:
         """``(SGLang node, scored)`` for the nodes holding a state: the policy's order first (lazily),
-        then SGLang's own LRU order for the states the policy offers no candidate for."""
-        arena = self.tree_core.node_by_id
+        then SGLang's own LRU order for the states the policy offers no candidate for.
+
+        The caller evicts each node before asking for the next, so nothing here may depend on a
+        yielded node staying in the tree: a policy handle SGLang no longer holds (only after
+        mirror drift; ``node_by_id`` would raise ``KeyError``) is skipped, and the LRU list is read
+        in full before its first node is yielded (walking it past an evicted node asserts)."""
+        arena = self.tree_core._node_arena.get  # noqa: SLF001 - None for a node SGLang deleted
         seen: set[int] = set()
         for h in self.cache.policy.eviction_order():
             x = arena(h)
             if x is not None:
                 seen.add(h)
                 yield x, True
+        # SGLang's LRU order for the rest, read in full before the first of them is yielded: the
+        # caller evicts what it gets, and the list cannot be walked past a node it no longer holds.
         lru = self.tree_core.lru_lists[self.component_type]
+        rest = []
         x = lru.get_lru_no_lock()
         while x is not None:  # least recent first, unlocked only
             if x.id not in seen:
-                yield x, False
+                rest.append(x)
             x = lru.get_prev_no_lock(x)
+        for x in rest:
+            yield x, False
 
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
         if not self._policy_walk():
@@ -410,8 +455,16 @@ class SparseRadixCache(UnifiedRadixCache):
 
     # ---------------------------------------------------------------- capture
 
+    #: extra_buffer: ``ScheduleBatch.prepare_for_decode`` keeps decode tracks only for the requests
+    #: whose plan wants them (set by the backend factory; see :mod:`.decode_track`)
+    decode_tracking = False
+
     def match_prefix(self, params):
         r = super().match_prefix(params)
+        if self.enable_mamba_extra_buffer and r.mamba_branching_seqlen is not None:
+            # SGLang would snapshot the KV match's grid floor in the next extend instead of the
+            # extend's last grid point; the policy plans branch points itself (and captures them).
+            r = r._replace(mamba_branching_seqlen=None)
         req = params.req
         if req is not None and params.cow_mamba:
             # SGLang's own view: the state-aligned prefix, the KV hit and the node it ends on.
@@ -429,20 +482,30 @@ class SparseRadixCache(UnifiedRadixCache):
         if self.policy.has_plan(req.rid):
             return
         prefix, kv, node_id = self._pending_match.pop(req.rid, (int(req.prefix_len), 0, None))
-        if node_id is not None and self.tree_core.node_by_id(node_id) is None:
+        if node_id is not None and self.tree_core._node_arena.get(node_id) is None:  # noqa: SLF001
             node_id, kv = None, 0  # evicted since the match: plan as a miss
         max_new = int(getattr(req.sampling_params, "max_new_tokens", 0) or 0)
+        n = len(req.origin_input_ids)
+        named = request_checkpoints(getattr(req.sampling_params, "custom_params", None), n)
+        if named and self.enable_mamba_extra_buffer:  # SGLang snapshots states on the grid only
+            g = self.policy.config.grid
+            named = tuple(sorted({p // g * g for p in named if p >= g}))
         self.policy.plan(
             req.rid,
-            len(req.origin_input_ids),
+            n,
             max_new,
             kv_node_id=node_id,
             engine_kv=kv,
             engine_prefix=prefix,
+            named=named,
         )
 
     def next_cut(self, req, prefix_len: int) -> int | None:
         return self.policy.next_cut(req.rid, prefix_len)
+
+    def wants_decode_state(self, rid: str) -> bool:
+        """Does ``rid``'s plan want a state past its prompt (extra_buffer decode tracking)?"""
+        return self.policy.wants_final_state(rid)
 
     # ---------------------------------------------------------------- release / stats
 

@@ -159,18 +159,28 @@ class CaptureRadixCache(SparseRadixCache):
         return () if plan is None else tuple(sorted(plan.positions))
 
     def build_capture_plan(self, batch) -> CapturePlan | None:
-        """Reserve one slot per planned position strictly inside each row's extend (step 1)."""
+        """Reserve one slot per planned position each row's extend computes and SGLang does not
+        snapshot itself (step 1): ``prefix_len < p < extend_end`` with no_buffer (its checkpoint
+        copies the live state at ``extend_end``); with extra_buffer also ``p == extend_end``, except
+        the one grid point SGLang's own track takes in this extend (``mamba_last_track_seqlen``,
+        offered to admission at the next checkpoint like a no_buffer chunk end)."""
         want: list[tuple[int, int, int]] = []  # (row, offset, absolute position)
         decoding = getattr(batch, "decoding_reqs", None) or ()
+        extra = self.enable_mamba_extra_buffer
+        tracked = getattr(batch, "mamba_prefill_track_mask_cpu", None) if extra else None
         for row, req in enumerate(batch.reqs):
             if req in decoding or getattr(req, "skip_radix_cache_insert", False):
                 continue
             if not self.policy.has_plan(req.rid):
                 continue
             lo, hi = int(req.prefix_len), int(req.extend_end)
+            own = None  # SGLang's own snapshot in this extend (extra_buffer)
+            if tracked is not None and row < len(tracked) and tracked[row]:
+                own = req.kv.mamba_last_track_seqlen
             for p in self.planned_positions(req):
-                if lo < p < hi:
-                    want.append((row, p - lo, p))
+                if lo < p < hi or (extra and p == hi):
+                    if p != own and p % self.page_size == 0:
+                        want.append((row, p - lo, p))
         if not want:
             return None
         self.capture_stats["captures_planned"] += len(want)
@@ -219,14 +229,27 @@ class CaptureRadixCache(SparseRadixCache):
             self.capture_stats[key] += 1
 
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
-        self.publish_captures(req, up_to)
+        # Insert in increasing depth: captures below the state SGLang offers now, that state (the
+        # live one at up_to with no_buffer, the named snapshot with extra_buffer), the rest.
+        offered = up_to
+        if getattr(self, "enable_mamba_extra_buffer", False):
+            offered = req.kv.mamba_last_track_seqlen or 0
+        self.publish_captures(req, min(offered, up_to), keep_rest=True)
         super().checkpoint(req, up_to=up_to, **kwargs)
+        self.publish_captures(req, up_to)
 
-    def publish_captures(self, req, up_to: int) -> None:
-        """Insert the request's captured states at positions ``<= up_to`` in increasing order."""
+    def publish_captures(self, req, up_to: int, *, keep_rest: bool = False) -> None:
+        """Insert the request's captured states at positions ``<= up_to`` in increasing order;
+        ``keep_rest``: deeper ones stay pending (published later in the same checkpoint), else they
+        are freed (the request will not reach them in this extend)."""
         pending = self._capture_pending.pop(req.rid, None)
         if not pending:
             return
+        if keep_rest:
+            rest = [e for e in pending if e.position > up_to]
+            pending = [e for e in pending if e.position <= up_to]
+            if rest:
+                self._capture_pending[req.rid] = rest
         alloc = self.req_to_token_pool.mamba_allocator
         for e in sorted(pending, key=lambda e: e.position):
             if not e.plan.complete:
@@ -253,8 +276,11 @@ class CaptureRadixCache(SparseRadixCache):
                 continue
             # The tree reads req.finished() to tell a mid-request checkpoint (KV stays with the
             # request, state slot donated) from the final insert: a captured state is always the
-            # former, also when it is published by the finishing request's release.
+            # former, also when it is published by the finishing request's release. Its cleanup
+            # forgets the request's named extra_buffer snapshots, which are not this insert's.
             reason = req.finished_reason
+            extra = getattr(self, "enable_mamba_extra_buffer", False)
+            tracks = (req.kv.mamba_last_track_seqlen, req.kv.mamba_prev_track_seqlen) if extra else None
             req.finished_reason = None
             self._capture_publishing = e
             try:
@@ -262,6 +288,8 @@ class CaptureRadixCache(SparseRadixCache):
             finally:
                 self._capture_publishing = None
                 req.finished_reason = reason
+                if tracks is not None:
+                    req.kv.mamba_last_track_seqlen, req.kv.mamba_prev_track_seqlen = tracks
             self.capture_stats["captures_published"] += 1
 
     def on_release(self, req, *, checkpointed: bool) -> None:
@@ -366,10 +394,14 @@ def _extend_hook(original, self, q, k, v, g, beta, *, ssm_states, cache_indices,
         )  # fmt: skip
     n_seq = _Active.n_seq
     _clear_active()
-    from sglang_sparse_kernels.sgl_kernel_cpu.delta_rule import chunk_gated_delta_rule
+    from sglang_sparse_kernels.sgl_kernel_cpu import delta_rule
 
+    # extra_buffer: SGLang snapshots its own track state from the per-chunk states ``h`` (as from
+    # the Triton kernel it replaces); the same call computes them, capture and outputs unchanged.
+    with_h = _sglang_tracks_prefill_states()
+    op = delta_rule.chunk_gated_delta_rule_with_h if with_h else delta_rule.chunk_gated_delta_rule
     cu, offs, slots = plan.csr(n_seq)
-    o, final = chunk_gated_delta_rule(
+    out = op(
         q,
         k,
         v,
@@ -386,7 +418,16 @@ def _extend_hook(original, self, q, k, v, g, beta, *, ssm_states, cache_indices,
         capture_slots=slots,
         capture_pool=ssm_states,
     )
+    o, final = out[0], out[1]
+    h = out[2] if with_h else None
     plan.ssm_layers.add(int(layer_id))
     if plan.complete:
         _set_forward_plan(None)  # every GDN layer wrote it: nothing later may write these slots
-    return o, final, None
+    return o, final, h
+
+
+def _sglang_tracks_prefill_states() -> bool:
+    """Whether SGLang reads per-chunk states ``h`` from a prefill (its extra_buffer strategy)."""
+    from sgl_kernel.mamba import sglang_tracks_prefill_states
+
+    return bool(sglang_tracks_prefill_states())

@@ -19,8 +19,10 @@ variable (JSON key)                default    meaning
 ``SGLANG_SPARSE_ALPHA``             auto       FLOP-aware eviction weight: number >= 0, or ``auto``
 (``alpha``)                                    (bootstrap with 0, tune by replay, Marconi sec. 4.2);
                                                must be 0/auto for non-FLOP-aware policies
-``SGLANG_SPARSE_GRID``              64         chunk grid of candidate positions (int >= 1)
-(``grid``)
+``SGLANG_SPARSE_GRID``              auto       grid of candidate state positions (int >= 1). Auto: the
+(``grid``)                                     state grid SGLang snapshots on, ``lcm(64, --page-size)``
+                                               (64 with no_buffer); with extra_buffer an explicit value
+                                               must be a multiple of it
 ``SGLANG_SPARSE_MIN_CUT_GAIN``      auto       engine cost of a capture inside a prefill, in tokens: a
 (``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
                                                the resume point or the previous capture (each one costs an
@@ -33,11 +35,11 @@ variable (JSON key)                default    meaning
                                                Marconi; see ``sglang_sparse.policy.tuner``)
 ``SGLANG_SPARSE_LOG_EVERY``         100        log a stats line every N finished requests (0: off)
 (``log_every``)
-``SGLANG_SPARSE_FREE_STATES``       1          1: keep unplanned chunk-end / prompt-end states (they
-(``free_states``)                              cost no extra forward) while a state slot is free or an
-                                               older speculative state can make room; speculative states
-                                               are evicted before all others (0: keep planned and final
-                                               states only)
+``SGLANG_SPARSE_PROBATION``         2          first-sight states per new leaf kept on *probation* (int >= 0):
+(``probation``)                                placed by a DP over the prefix depths seen so far plus a
+                                               uniform hedge, evicted before every other state, promoted
+                                               when a request resumes from one (``sparse`` policy; the
+                                               unplanned finish state is kept on probation too). 0: none
 ``SGLANG_SPARSE_CHECK_INVARIANTS``  0          1: after every checkpoint and eviction, check that the policy's
 (``check_invariants``)                         mirror equals SGLang's tree (O(nodes) each; for tests and
                                                debugging); violations are logged and counted in the stats
@@ -81,12 +83,12 @@ class SparseConfig:
     gamma: float = 0.99
     refresh: int = 10
     alpha: float | None = None  # None = "auto"
-    grid: int = 64
+    grid: int | None = None  # None: the engine's state grid (resolved by the backend factory)
     min_cut_gain: int | None = None  # None: 0 with capture=forward, CUT_MIN_GAIN with cut
     tune_window: int = 200
     retune: bool = False
     log_every: int = 100
-    free_states: bool = True
+    probation: int = 2
     check_invariants: bool = False
     capture: str = "forward"
 
@@ -241,7 +243,7 @@ _PARSERS = {
     "tune_window": lambda s, v: _int(s, v, 1),
     "retune": _bool,
     "log_every": lambda s, v: _int(s, v, 0),
-    "free_states": _bool,
+    "probation": lambda s, v: _int(s, v, 0),
     "check_invariants": _bool,
     "capture": _capture,
 }

@@ -29,7 +29,6 @@ _ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class
 _STATE_TARGET = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_env_vars"
 )
-_EXTRA_BUFFER_TARGET = "sglang.srt.arg_groups.overrides.supports_mamba_cache_extra_buffer"
 _registered = False
 
 
@@ -47,7 +46,6 @@ def register() -> None:
         pass
     HookRegistry.register(_ADDER_TARGET, _adder_class_hook, HookType.AROUND)
     HookRegistry.register(_STATE_TARGET, _internal_state_hook, HookType.AFTER)
-    HookRegistry.register(_EXTRA_BUFFER_TARGET, _extra_buffer_hook, HookType.AROUND)
     HookRegistry.register(_SERVER_ARGS_TARGET, _server_args_hook, HookType.AFTER)
     # SGLANG_SPARSE_CAPTURE=forward (sglang_sparse.sglang_adapter.capture); each hook is a no-op
     # unless its batch belongs to a CaptureRadixCache, and imports the capture module lazily.
@@ -55,6 +53,12 @@ def register() -> None:
     HookRegistry.register(_CAPTURE_INIT_NEW_TARGET, _capture_init_new_hook, HookType.AFTER)
     HookRegistry.register(_CAPTURE_CONV_TARGET, _capture_conv_hook, HookType.AROUND)
     HookRegistry.register(_CAPTURE_EXTEND_TARGET, _capture_extend_hook, HookType.AROUND)
+    # extra_buffer: decode-time states on the policy's grid, tracked only for requests whose plan
+    # wants a state past the prompt (sglang_sparse.sglang_adapter.decode_track).
+    HookRegistry.register(_TRACK_GRID_TARGET, _track_grid_hook, HookType.AROUND)
+    HookRegistry.register(_DECODE_TARGET, _prepare_for_decode_hook, HookType.AFTER)
+    # /v1/chat/completions: message boundaries become planned states (sglang_adapter.hints).
+    HookRegistry.register(_CHAT_TARGET, _chat_request_hook, HookType.AFTER)
     _registered = True
 
 
@@ -63,6 +67,38 @@ _CAPTURE_PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prep
 _CAPTURE_INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 _CAPTURE_CONV_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend._convolve_prefill"
 _CAPTURE_EXTEND_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
+_TRACK_GRID_TARGET = "sglang.srt.runtime_context.mamba_track_grid"
+_DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+_CHAT_TARGET = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request"
+
+
+def _chat_request_hook(result, self, request, *args, **kwargs):
+    """Runs in the HTTP server process: with the sparse backend, add the chat's message boundaries
+    (and the messages the request names) to the request's planned positions."""
+    server_args = getattr(getattr(self, "tokenizer_manager", None), "server_args", None)
+    if getattr(server_args, "radix_cache_backend", None) == BACKEND_NAME and isinstance(result, tuple):
+        from .hints import add_chat_boundaries
+
+        add_chat_boundaries(self, result[0], request)
+    return result
+
+
+def _track_grid_hook(original, *args, **kwargs):
+    """SGLang's decode-track grid (``lcm(checkpoint grid, --mamba-track-interval)``), replaced in a
+    scheduler whose cache is the sparse backend on ``extra_buffer`` by the policy's grid: which
+    grid points a request really tracks is the policy's per-request choice (decode_track)."""
+    from . import capture_state
+
+    grid = capture_state.decode_grid()
+    return grid if grid is not None else original(*args, **kwargs)
+
+
+def _prepare_for_decode_hook(result, self, *args, **kwargs):
+    if getattr(getattr(self, "tree_cache", None), "decode_tracking", False):
+        from .decode_track import refine_decode_tracks
+
+        refine_decode_tracks(self)
+    return result
 
 
 def _capture_prepare_hook(result, self, *args, **kwargs):
@@ -117,13 +153,17 @@ def launcher_problems(server_args: Any) -> list[str]:
         SparseConfig.from_env()
     except SparseConfigError as e:
         problems.append(str(e))
-    if getattr(server_args, "mamba_radix_cache_strategy", None) in ("extra_buffer", "extra_buffer_lazy"):
+    if getattr(server_args, "mamba_radix_cache_strategy", None) == "extra_buffer_lazy":
         problems.append(
-            "needs --mamba-radix-cache-strategy no_buffer or auto (extra_buffer is not supported)"
+            "--mamba-radix-cache-strategy extra_buffer_lazy is not supported (its second state slot is "
+            "allocated only at SGLang's fixed track interval); use auto, extra_buffer or no_buffer"
         )
     page = getattr(server_args, "page_size", None)
-    if page not in (None, 1):
-        problems.append(f"needs --page-size 1 (got {page})")
+    if getattr(server_args, "mamba_radix_cache_strategy", None) == "no_buffer" and page not in (None, 1):
+        problems.append(
+            f"--mamba-radix-cache-strategy no_buffer needs --page-size 1 (got {page}); "
+            "use auto or extra_buffer for a paged KV cache"
+        )
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
     if getattr(server_args, "enable_hierarchical_cache", False):
@@ -143,18 +183,6 @@ def _server_args_hook(result, *args, **kwargs):
             sys.stderr.flush()
             raise SystemExit(2)
     return result
-
-
-def _extra_buffer_hook(original_fn, view, hf_config, *args, **kwargs):
-    """One flag on GPUs too: SGLang resolves ``--mamba-radix-cache-strategy auto`` (the default) to
-    ``extra_buffer`` when the overlap schedule is on and the model supports it, and to ``no_buffer``
-    (plus ``disable_overlap_schedule``) otherwise. The ``sparse`` backend captures states by cutting
-    prefill chunks, which needs ``no_buffer``, so for it the model reports no extra-buffer support
-    and ``auto`` resolves to ``no_buffer``. An explicit ``extra_buffer`` is still rejected (by
-    SGLang's own validation, or by :func:`sparse_cache_factory`)."""
-    if getattr(view, "radix_cache_backend", None) == BACKEND_NAME:
-        return False
-    return original_fn(view, hf_config, *args, **kwargs)
 
 
 def _adder_class_hook(original_fn, self, *args, **kwargs):
@@ -316,16 +344,29 @@ def sparse_cache_factory(ctx: Any):
     problems = []
     if not ctx.is_hybrid_ssm:
         problems.append("the model has no recurrent (Mamba/GDN) layers; use the default backend")
-    if getattr(p, "enable_mamba_extra_buffer", False):
-        problems.append("needs --mamba-radix-cache-strategy no_buffer (extra_buffer is not supported)")
+    extra_buffer = bool(getattr(p, "enable_mamba_extra_buffer", False))
+    if extra_buffer and _lazy_extra_buffer():
+        problems.append("--mamba-radix-cache-strategy extra_buffer_lazy is not supported")
     if ctx.enable_hierarchical_cache:
         problems.append("--enable-hierarchical-cache is not supported")
     if ctx.disable_radix_cache or getattr(p, "disable", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
-    if getattr(p, "page_size", 1) not in (1, None):
-        problems.append(f"needs --page-size 1 (got {p.page_size})")
+    page = int(getattr(p, "page_size", 1) or 1)
+    if not extra_buffer and page != 1:
+        problems.append(f"no_buffer needs --page-size 1 (got {page})")
+    state_grid = _state_grid(page)
+    if config.grid is not None and extra_buffer and config.grid % state_grid:
+        problems.append(
+            f"SGLANG_SPARSE_GRID={config.grid} must be a multiple of the state grid {state_grid} "
+            f"(lcm of the GDN chunk and --page-size {page}): extra_buffer states exist only there"
+        )
     if not p.chunked_prefill_size or p.chunked_prefill_size <= 0:
         problems.append("needs chunked prefill (--chunked-prefill-size N > 0): cuts are chunk ends")
+    elif extra_buffer and p.chunked_prefill_size % state_grid:
+        problems.append(
+            f"--chunked-prefill-size {p.chunked_prefill_size} must be a multiple of the state grid "
+            f"{state_grid} with extra_buffer (SGLang snapshots states only on it)"
+        )
     if p.enable_session_radix_cache or get_memory().enable_session_radix_cache:
         problems.append("--enable-session-radix-cache is not supported")
     if get_serving().enable_streaming_session:
@@ -399,7 +440,10 @@ def sparse_cache_factory(ctx: Any):
     # min-cut-gain skips captures worth fewer tokens than that forward; in the forward they are free.
     if config.min_cut_gain is None:
         config = dataclasses.replace(config, min_cut_gain=0 if capture == "forward" else CUT_MIN_GAIN)
-    config = dataclasses.replace(config, capture=capture)
+    # The policy's grid: where it may place states. extra_buffer snapshots states (and the KV match
+    # resumes) only on the state grid; no_buffer keeps the 64-token chunk grid by default.
+    grid = config.grid if config.grid is not None else max(state_grid, DEFAULT_GRID)
+    config = dataclasses.replace(config, capture=capture, grid=grid)
     policy = TreePolicy(
         config,
         budget_bytes=budget,
@@ -413,20 +457,67 @@ def sparse_cache_factory(ctx: Any):
         return cache_class(params, policy=policy, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)
 
     cache = create_unified_radix_cache(ctx, cache_class=build)
+    if extra_buffer:
+        from . import capture_state
+
+        # Decode tracks on the policy's grid; refine_decode_tracks keeps only the rows that want one.
+        capture_state.set_decode_grid(grid)
+        cache.decode_tracking = True
     overlap = not getattr(getattr(ctx, "server_args", None), "disable_overlap_schedule", True)
     logger.info(
-        "sparse radix cache: %s; KV pool %d tokens, %d state slots, %d B/state; mamba strategy "
-        "no_buffer, overlap schedule %s, page size 1 (SGLang checkpoints the exact state at chunk "
-        "and prompt ends only with no_buffer, which needs both; --mamba-radix-cache-strategy auto "
-        "resolves to it for this backend); capture=%s (%s)",
+        "sparse radix cache: %s; KV pool %d tokens, %d state slots, %d B/state; %s",
         config.as_dict(),
         kv_tokens,
         mamba_slots,
         state_bytes,
-        "on" if overlap else "off",
-        capture,
-        "states at planned positions inside a prefill are written during the forward"
-        if capture == "forward"
-        else "each planned position inside a prefill ends a chunk: one more forward",
+        startup_summary(extra_buffer, overlap, page, capture, grid),
     )
     return cache
+
+
+def startup_summary(extra_buffer: bool, overlap: bool, page: int, capture: str, grid: int) -> str:
+    """The start-up log's account of which state path the backend runs on, and why."""
+    if extra_buffer:
+        on = "on" if overlap else "off"
+        path = (
+            f"mamba strategy extra_buffer (SGLang's fast path: overlap schedule {on}, page size {page}); "
+            f"SGLang snapshots one state per extend at its last {grid}-token grid point and the policy "
+            f"keeps it only if planned; decode states on the {grid}-token grid are tracked only for "
+            "requests whose plan wants a state past the prompt"
+        )
+    else:
+        path = (
+            "mamba strategy no_buffer (asked for: overlap schedule off, page size 1); SGLang offers the "
+            "exact state at every chunk end, prompt end and finish and the policy keeps the planned ones"
+        )
+    how = (
+        "planned positions inside a prefill are written during the forward"
+        if capture == "forward"
+        else "each planned position inside a prefill ends a chunk: one more forward"
+    )
+    return f"{path}; capture={capture} ({how})"
+
+
+DEFAULT_GRID = 64
+
+
+def _state_grid(page: int) -> int:
+    """SGLang's state grid: ``lcm(GDN cache chunk, page)`` (``mamba_checkpoint_grid``); 64 (the
+    FLA chunk) when SGLang's runtime context cannot tell (unit tests without a server)."""
+    try:
+        from sglang.srt.runtime_context import mamba_checkpoint_grid
+
+        return int(mamba_checkpoint_grid(page))
+    except Exception:  # noqa: BLE001 - not inside a resolved SGLang process
+        import math
+
+        return math.lcm(DEFAULT_GRID, max(int(page), 1))
+
+
+def _lazy_extra_buffer() -> bool:
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(get_exec().mamba.enable_mamba_extra_buffer_lazy)
+    except Exception:  # noqa: BLE001 - older layouts
+        return False

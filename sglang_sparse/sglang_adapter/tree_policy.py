@@ -13,11 +13,15 @@ code the simulator runs, through :class:`~sglang_sparse.policy.HybridCache`:
   finish states always;
 * **evict** -- :meth:`TreePolicy.eviction_order` / :meth:`TreePolicy.state_key`: the states in the
   order of the policy's :class:`~sglang_sparse.policy.Evictor` (same candidates, same normalised
-  ``recency + alpha * FLOPs/byte`` score), read lazily from its incremental candidate index;
+  ``recency + alpha * FLOPs/byte`` score, online sessions ranked by when they are due back),
+  read lazily from its incremental candidate index. Sessions come from the same events: a match
+  ending at a leaf's end continues it (``plan``), the request's final insert (``on_insert`` with
+  ``finished``) hangs its sequence on that session (:mod:`sglang_sparse.policy.chains`);
 * **alpha** -- :meth:`TreePolicy.finish` feeds the tuning window; a tuning run replays it on a
   simulator copy of SGLang's tree taken (flat, node by node) when the window began, in a worker
-  thread, and its alpha is applied at a fixed logical time (``tune_window // 4`` finished requests
-  after the window closed), so every TP rank applies the same alpha at the same request.
+  process (:class:`~sglang_sparse.sim.replay_worker.ReplayWorker`, off the scheduler's CPU), and
+  its alpha is applied at a fixed logical time (``tune_window // 4`` finished requests after the
+  window closed), so every TP rank applies the same alpha at the same request.
 
 Memory: O(nodes) for the mirror; the tuning window holds the token ids of its requests (the
 replay's input) and the snapshot of the tree it replays from, while a window is open.
@@ -27,17 +31,19 @@ Everything is a deterministic function of the request stream: logical clocks, no
 from __future__ import annotations
 
 import copy
-import functools
+import dataclasses
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
-from sglang_sparse.policy import AlphaTuner, CacheSnapshot, Evictor, HybridCache, ModelCostModel, get_policy
+from sglang_sparse.placement import DEFAULT_GRID
+from sglang_sparse.policy import AlphaTuner, CacheSnapshot, HybridCache, ModelCostModel, get_policy
+from sglang_sparse.sim.replay_worker import ReplayWorker
 from sglang_sparse.tree import MirrorError, MirrorTree, Node, TreeSnapshotBuilder
 
 from .config import SparseConfig
@@ -61,6 +67,7 @@ class RequestPlan:
     cuts: tuple[int, ...]  # planned positions strictly inside the prompt (after the resume point)
     engine_prefix: int = 0
     engine_kv: int = 0
+    probation: frozenset[int] = frozenset()  # the positions kept on probation (evicted first)
 
 
 @dataclass
@@ -78,10 +85,10 @@ class PolicyStats:
     ckpt_admitted: int = 0
     ckpt_rejected: int = 0
     ckpt_final: int = 0
-    #: unplanned checkpoints kept because a state slot was free (speculative: evicted first)
-    ckpt_free: int = 0
-    #: requests that resumed from a speculative state (which then became a normal one)
-    free_state_hits: int = 0
+    #: offered states kept on probation (first-sight positions, an unplanned finish; evicted first)
+    ckpt_probation: int = 0
+    #: requests that resumed from a probation state (which then became a normal one)
+    probation_hits: int = 0
     states_inserted: int = 0
     states_evicted: int = 0
     kv_leaves_evicted: int = 0
@@ -118,6 +125,8 @@ class TreePolicy:
         fit_tokens: int | None = None,
         root_id: int = 0,
     ) -> None:
+        if config.grid is None:  # auto outside the backend factory: the 64-token chunk grid
+            config = dataclasses.replace(config, grid=DEFAULT_GRID)
         self.config = config
         #: KV tokens the engine's pool holds (the fit-state limit of :class:`HybridCache`)
         self.fit_tokens = None if fit_tokens is None else int(fit_tokens)
@@ -131,7 +140,8 @@ class TreePolicy:
         self.tuner: AlphaTuner | None = None
         self.tuning = self.spec.flop_aware and config.alpha_auto
         self.stats = PolicyStats()
-        self._executor: ThreadPoolExecutor | None = None
+        #: the child process that replays tuning windows (started at the first tuning run)
+        self._worker: ReplayWorker | None = None
         self._alpha = 0.0 if not self.spec.flop_aware or config.alpha is None else float(config.alpha)
         self.reset(root_id)
 
@@ -151,12 +161,10 @@ class TreePolicy:
             grid=self.config.grid,
             min_cut_gain=self.config.min_cut_gain or 0,  # None (auto) outside the factory: 0
             fit_tokens=self.fit_tokens,
+            probation_budget=self.config.probation,
         )
         if tree is not cache.tree:
-            cache.tree = tree
-            cache.evictor = Evictor(
-                tree, self.spec.eviction, self.cost, 0.0, capacity_bytes=self.budget_bytes
-            )
+            cache.use_tree(tree)
         if self.spec.flop_aware:
             cache.alpha = self._alpha
         return cache
@@ -180,11 +188,11 @@ class TreePolicy:
         self._window_hits: deque[float] = deque(maxlen=self.config.tune_window)
         self._since_tune = 0
         self._snapshot: CacheSnapshot | None = None
-        self._pending_tune: tuple[int, Future] | None = None
+        #: (apply at finished count, scores future, window end, alpha in use when it started)
+        self._pending_tune: tuple[int, Future, int, float | None] | None = None
         self._rounds = 0  # eviction rounds computed (a walk's frozen keys stay valid while unchanged)
-        #: speculative states (SGLang node ids), oldest first: evicted before all others
-        self._speculative: dict[int, None] = {}
-        self._speculative_next = False
+        #: the next state SGLang attaches goes on probation (:meth:`admit` said so)
+        self._probation_next = False
 
     @property
     def alpha(self) -> float:
@@ -192,9 +200,9 @@ class TreePolicy:
 
     def close(self) -> None:
         """Stop the tuning worker (pending results are dropped)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     # ------------------------------------------------------------------ engine events
 
@@ -215,24 +223,29 @@ class TreePolicy:
 
     def on_leaf_removed(self, node_id: int) -> None:
         self.stats.kv_leaves_evicted += 1
-        self._speculative.pop(node_id, None)
+        self.cache.probation.discard(node_id)
         self._guard("remove", self.mirror.remove_leaf, node_id)
 
     def on_state_set(self, node_id: int) -> None:
         if self._guard("state", self.mirror.set_state, node_id):
             self.stats.states_inserted += 1
-            if self._speculative_next:
-                self._speculative[node_id] = None
-        self._speculative_next = False
+            if self._probation_next:
+                self.cache.probation.add(node_id)
+        self._probation_next = False
 
     def on_state_freed(self, node_id: int) -> None:
-        self._speculative.pop(node_id, None)
+        self.cache.probation.discard(node_id)
         if self.mirror.drop_state(node_id):
             self.stats.states_evicted += 1
 
-    def on_insert(self, node_id: int) -> None:
-        """A checkpoint inserted through ``node_id`` (its path's recency, as the simulator's insert)."""
-        self._guard("insert", self.mirror.touch_path, node_id)
+    def on_insert(self, node_id: int, *, finished: bool = False) -> None:
+        """A checkpoint inserted through ``node_id`` (its path's recency, as the simulator's insert);
+        ``finished``: the request's final insert, so a sequence ended at ``node_id``'s end (it
+        joins the online session it continued, as the simulator's insert: see
+        :meth:`HybridCache.end_sequence <sglang_sparse.policy.HybridCache.end_sequence>`)."""
+        node = self._guard("insert", self.mirror.touch_path, node_id, finished)
+        if node is not None and finished:
+            self.cache.end_sequence(node)
 
     def check(self, engine_nodes: Iterable[EngineNode]) -> None:
         """Assert that the mirror equals the engine's tree (:class:`MirrorError` otherwise)."""
@@ -249,10 +262,12 @@ class TreePolicy:
         kv_node_id: int | None,
         engine_kv: int,
         engine_prefix: int,
+        named: Sequence[int] = (),
     ) -> RequestPlan:
         """The request's capture plan from SGLang's match of its prompt (``kv_node_id``: the node
         its KV match ends on, at depth ``engine_kv``; ``engine_prefix``: the state-aligned depth it
-        resumes from). The first call per ``rid`` observes the match; later calls return the plan."""
+        resumes from; ``named``: prompt positions the request named itself, see :mod:`.hints`).
+        The first call per ``rid`` observes the match; later calls return the plan."""
         p = self._plans.get(rid)
         if p is not None:
             return p
@@ -260,12 +275,13 @@ class TreePolicy:
         m = self._guard("match", self.mirror.match_result, kv_node_id, int(engine_kv), int(engine_prefix))
         if m is None:
             m = self.mirror.match_result(None, 0, 0)
+        if m.ckpt_handle is not None and m.ckpt_handle in self.cache.probation:
+            self.stats.probation_hits += 1  # observe() promotes it: a normal state from now on
         self.cache.observe(m)
-        if m.ckpt_handle is not None and self._speculative.pop(m.ckpt_handle, False) is None:
-            self.stats.free_state_hits += 1  # it served a request: a normal state from now on
-        positions = tuple(self.cache.capture_plan(m, n, n + max(int(max_new_tokens), 0)))
+        cp = self.cache.plan(m, n, n + max(int(max_new_tokens), 0), named=named)
+        positions = cp.positions
         cuts = tuple(q for q in positions if engine_prefix < q < n)
-        p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv))
+        p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv), cp.probation)
         self._plans[rid] = p
         if len(self._plans) > _MAX_PLANS:
             self._plans.popitem(last=False)
@@ -277,6 +293,12 @@ class TreePolicy:
         s.kv_hit_tokens += int(engine_kv)
         s.planned_positions += len(positions)
         return p
+
+    def wants_final_state(self, rid: str) -> bool:
+        """Does the plan of ``rid`` hold a position past its prompt (a decode-time or last-token
+        state)? A request without a plan keeps the engine's behaviour (True)."""
+        p = self._plans.get(rid)
+        return p is None or (bool(p.positions) and p.positions[-1] > p.input_len)
 
     def get_plan(self, rid: str) -> RequestPlan | None:
         return self._plans.get(rid)
@@ -297,36 +319,55 @@ class TreePolicy:
     # ------------------------------------------------------------------ keep
 
     def admit(self, rid: str, position: int, *, finished: bool, free_slots: int = 0) -> bool:
-        """Keep the checkpoint of ``rid`` at ``position``? Final states always; planned ones
-        always; a request without a plan (not admitted through our adder) keeps SGLang's behaviour.
-        Any other checkpoint (a chunk end, the prompt end: the engine has the state anyway, it
-        costs no extra forward) is kept *speculatively* when the ``free_states`` option is on and
-        either a state slot is free (``free_slots`` > 0, before this one is taken) or an older
-        speculative state can make room (the allocation evicts it first): the next state attached
-        (:meth:`on_state_set`) is then evicted before every policy-ordered state, unless a request
-        resumes from it first (:meth:`plan`). So the cache never holds fewer states than the
-        engine's own chunk-end policy while there is room, and the learned parts only add to it."""
-        self._speculative_next = False
-        if finished:
-            self.stats.ckpt_final += 1
-            return True
+        """Keep the state SGLang offers for ``rid`` at ``position`` (tokens)? Admission decides
+        every state, whatever the engine offers it for (chunk end, prompt end, finish, capture):
+
+        * a request without a plan (not admitted through our adder) keeps SGLang's behaviour;
+        * a planned position: kept; a position the plan keeps on probation: kept on probation (the
+          next state attached, :meth:`on_state_set`, is evicted before every other state until a
+          request resumes from it);
+        * the finish (the engine ends the sequence wherever it stops, at most ``total_len``): kept
+          if the plan wants a state past the prompt, on probation if only a probation one;
+        * anything else (an unplanned chunk end or prompt end, which the engine computed anyway):
+          kept on probation while probation is on (``SGLANG_SPARSE_PROBATION`` > 0), else rejected.
+          Probation states go before every other state, so the planned states a request keeps,
+          and their fate under eviction, do not depend on the chunk size.
+
+        ``free_slots`` is unused (kept for callers; admission no longer depends on pool room)."""
+        del free_slots
+        self._probation_next = False
         p = self._plans.get(rid)
-        if p is None or position in p.positions:
+        if p is None:
+            self.stats.ckpt_final += int(finished)
+            self.stats.ckpt_admitted += int(not finished)
+            return True
+        if finished:
+            past = [q for q in p.positions if q > p.input_len]
+            if not past:
+                self.stats.ckpt_rejected += 1
+                return False
+            self.stats.ckpt_final += 1
+            if all(q in p.probation for q in past):
+                self._probation_next = True
+                self.stats.ckpt_probation += 1
+            return True
+        if position in p.positions and position not in p.probation:
             self.stats.ckpt_admitted += 1
             return True
-        if self.config.free_states and (free_slots > 0 or self._speculative):
-            self._speculative_next = True
-            self.stats.ckpt_free += 1
+        if position in p.probation or self.config.probation > 0:
+            self._probation_next = True
+            self.stats.ckpt_probation += 1
             return True
         self.stats.ckpt_rejected += 1
         return False
 
     def end_checkpoint(self) -> None:
         """The engine finished one checkpoint (whether or not a state was attached)."""
-        self._speculative_next = False
+        self._probation_next = False
 
     def is_speculative(self, node_id: int) -> bool:
-        return node_id in self._speculative
+        """Whether the state at ``node_id`` is on probation (evicted before every other state)."""
+        return node_id in self.cache.probation
 
     # ------------------------------------------------------------------ evict
 
@@ -348,15 +389,13 @@ class TreePolicy:
     def eviction_order(self) -> Iterator[int]:
         """State handles (SGLang node ids) in the policy's eviction order, lazily: the first costs
         one vectorised pass over the candidates; later ones come in chunks of growing size. A
-        handle covered by several candidates comes at its lowest key. Speculative states (see
-        :meth:`admit`) come before all of them, oldest first. The caller skips handles that
-        are locked or gone and falls back to its own order when this runs out (also if another
-        eviction round starts before this one is consumed: the rows it reads are then stale)."""
+        handle covered by several candidates comes at its lowest key; states on probation (see
+        :meth:`admit`) come first, oldest first (their key, :data:`PROBATION_KEY` + recency). The
+        caller skips handles that are locked or gone and falls back to its own order when this
+        runs out (also if another eviction round starts before this one is consumed: the rows it
+        reads are then stale)."""
         self.stats.eviction_walks += 1
         seen: set[int] = set()
-        for h in list(self._speculative):  # speculative states first, oldest first
-            seen.add(h)
-            yield h
         key, nodes, _, _, _ = self._round()
         at = self._rounds
         for i in self.cache.evictor.index.order(key):
@@ -420,8 +459,8 @@ class TreePolicy:
         return self.scored_states()[1]
 
     def speculative_ids(self) -> Collection[int]:
-        """SGLang node ids of the speculative states (see :meth:`admit`); a live view."""
-        return self._speculative.keys()
+        """SGLang node ids of the states on probation (see :meth:`admit`); a live view."""
+        return self.cache.probation
 
     # ------------------------------------------------------------------ finish / alpha
 
@@ -469,34 +508,34 @@ class TreePolicy:
             self._snapshot = None
 
     def _start_tune(self) -> None:
-        from sglang_sparse.sim.simulator import warm_replay_score
-
         if self.tuner is None:
             self.tuner = AlphaTuner(window=self.config.tune_window, workers=1, retune=self.config.retune)
-        evaluate = functools.partial(warm_replay_score, self._snapshot, list(self._window), self.cost)
         current = self.cache.alpha if self.stats.alpha_tunes else None
         at = self.stats.finished
         apply_at = at + max(1, self.config.tune_window // 4)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparse-alpha")
-        fut = self._executor.submit(self.tuner.tune, evaluate, at_request=at, current=current)
+        if self._worker is None:
+            self._worker = ReplayWorker()
+        # The replay runs in the worker process; the choice and its logical time stay here.
+        fut = self._worker.submit(self._snapshot, list(self._window), self.cost, self.tuner.grid)
         self.stats.tune_runs += 1
-        self._pending_tune = (apply_at, fut)
+        self._pending_tune = (apply_at, fut, at, current)
         self._since_tune = 0
         self._snapshot = None
 
     def _apply_due_tune(self) -> None:
-        """Apply a finished tuning run's alpha at its logical time (waits for it if needed)."""
+        """Apply a finished tuning run's alpha at its logical time (waits for the worker if needed)."""
         if self._pending_tune is None or self.stats.finished < self._pending_tune[0]:
             return
-        _, fut = self._pending_tune
+        _, fut, at, current = self._pending_tune
         self._pending_tune = None
         try:
-            a = float(fut.result())
+            scores = fut.result()
         except Exception:  # noqa: BLE001
             self.stats.tune_failures += 1
             logger.exception("sparse cache: alpha tuning run failed; keeping alpha=%s", self.alpha)
             return
+        assert self.tuner is not None
+        a = self.tuner.choose(scores, at_request=at, current=current)
         self.cache.alpha = a
         self._alpha = a
         self.stats.alpha_tunes.append((self.stats.finished, a))
@@ -504,7 +543,9 @@ class TreePolicy:
     def engine_snapshot(self, engine_nodes: Iterable[EngineNode]) -> CacheSnapshot:
         """A flat :class:`~sglang_sparse.policy.CacheSnapshot` of the engine's tree (each edge's
         tokens, copied once) plus this policy's per-node state (recency, histograms, plans,
-        checkpoint clocks), tail prior and alpha, taken now: what a warm tuning replay starts from
+        checkpoint clocks, sequence ends, online-session ids), tail prior, online sessions
+        (:class:`~sglang_sparse.policy.chains.ChainTracker`) and alpha, taken now: what a warm tuning
+        replay starts from
         (``HybridCache.from_snapshot`` builds an independent simulator cache per replay).
         Iterative; the engine lists parents before children."""
         src = self.mirror
@@ -532,6 +573,8 @@ class TreePolicy:
                 hist=m.hist,
                 plan=m.plan,
                 plan_fresh=m.plan_fresh,
+                seq_end=m.seq_end,
+                chain=m.chain,
             )
         return CacheSnapshot(
             b.build(clock=src.clock, uid_counter=max(src._uid, max(index))),  # noqa: SLF001
@@ -542,6 +585,7 @@ class TreePolicy:
             min_cut_gain=self.cache.min_cut_gain,
             tail=copy.deepcopy(self.cache.tail),
             fit_tokens=self.fit_tokens,
+            chains=copy.deepcopy(self.cache.chains),
         )
 
     # ------------------------------------------------------------------ stats

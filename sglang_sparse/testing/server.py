@@ -73,6 +73,20 @@ CPU_EXTRA_BUFFER_SERVER_ARGS: tuple[str, ...] = (
     "extra_buffer",
 )
 
+#: The two state strategies a benchmark config can run on: ``no_buffer`` (overlap schedule off,
+#: page size 1; SGLang's in-tree CPU platform) and ``extra_buffer`` (SGLang's GPU default: overlap
+#: schedule on; the project's CPU platform).
+STRATEGIES = ("no_buffer", "extra_buffer")
+
+
+def strategy_setup(strategy: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """``(base_args, env)`` of a CPU server on ``strategy`` (see :data:`STRATEGIES`)."""
+    if strategy == "no_buffer":
+        return CPU_SERVER_ARGS, {}
+    if strategy == "extra_buffer":
+        return CPU_EXTRA_BUFFER_SERVER_ARGS, dict(CPU_EXTRA_BUFFER_ENV)
+    raise ValueError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+
 
 class ServerError(RuntimeError):
     """The server failed to start or died; ``log_tail`` holds the end of its log."""

@@ -164,7 +164,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
         fmt = args.format or default_format(reqs)
         stem = Path(path).name.removesuffix(".jsonl")
         dest = out / (f"{stem}.custom.jsonl" if fmt == "custom" else f"{stem}.agentic.json")
-        export_trace(reqs, dest, fmt, vocab=args.vocab, name=stem)
+        decode = None
+        if args.text == "qwen":  # the traces' own tokenizer: real text for a real Qwen3.5/3-Next checkpoint
+            from .tokenizer import get_tokenizer
+
+            decode = get_tokenizer().decode
+        export_trace(reqs, dest, fmt, vocab=args.vocab, name=stem, decode=decode)
         print(f"wrote {dest} ({fmt}, {len(reqs)} requests)")
     return 0
 
@@ -201,6 +206,13 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=("custom", "agentic"), default=None, help="default: by trace shape")
     e.add_argument("--vocab", type=int, default=None, help="remap ids into this model vocabulary")
     e.add_argument("--limit", type=int, default=0, help="first N requests only (0: all)")
+    e.add_argument(
+        "--text",
+        choices=("word", "qwen"),
+        default="word",
+        help="word: w<id> words for the tiny test models' tokenizer (default); qwen: real text decoded "
+        "with the traces' Qwen3.5 tokenizer, for a real checkpoint (do not combine with --vocab)",
+    )
     e.set_defaults(func=_cmd_export)
     return p
 

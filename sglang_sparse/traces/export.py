@@ -138,18 +138,21 @@ def export_trace(
     *,
     vocab: int | None = None,
     name: str = "trace",
+    decode: Callable[[Sequence[int]], str] | None = None,
 ) -> Path:
-    """Write ``requests`` to ``out`` in ``fmt`` (``custom`` JSONL or ``agentic`` JSON); returns the path."""
+    """Write ``requests`` to ``out`` in ``fmt`` (``custom`` JSONL or ``agentic`` JSON); returns the path.
+    ``decode``: token ids -> text (default: the tiny models' word text, see :func:`word_text`)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "custom":
         with path.open("w", encoding="utf-8") as f:
-            for row in to_custom_rows(requests, vocab=vocab):
+            for row in to_custom_rows(requests, vocab=vocab, decode=decode):
                 f.write(json.dumps(row, separators=(",", ":")) + "\n")
     else:
-        path.write_text(json.dumps(to_agentic(requests, vocab=vocab, name=name)), encoding="utf-8")
+        agentic = to_agentic(requests, vocab=vocab, name=name, decode=decode)
+        path.write_text(json.dumps(agentic), encoding="utf-8")
     return path
 
 

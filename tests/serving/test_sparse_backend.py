@@ -374,46 +374,25 @@ def test_config_sources(tmp_path: Path) -> None:
     assert SparseConfig.from_env({"SGLANG_SPARSE_MIN_CUT_GAIN": "0"}).min_cut_gain == 0
 
 
-def test_auto_mamba_strategy_resolves_to_no_buffer_for_sparse() -> None:
-    """One flag on GPUs: with ``--radix-cache-backend sparse`` the model reports no extra-buffer
-    support, so SGLang's ``auto`` strategy resolves to ``no_buffer`` (what the backend needs);
-    other backends keep SGLang's answer. The hooked SGLang function must exist (upstream renames)."""
-    import pkgutil
+def test_the_flag_leaves_sglangs_strategy_resolution_alone() -> None:
+    """The plugin hooks nothing SGLang resolves ``--mamba-radix-cache-strategy auto``,
+    ``--disable-overlap-schedule`` or ``--page-size`` with (``arg_groups``): ``auto`` picks
+    extra_buffer and the overlap schedule wherever SGLang would (checked on a real server in
+    ``test_sparse_extra_buffer.py::test_default_launch_keeps_sglangs_fast_path``). Its one hook in
+    argument handling, on ``prepare_server_args``, only validates (it returns its input)."""
     from types import SimpleNamespace
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     from sglang_sparse.sglang_adapter import plugin
 
-    assert callable(pkgutil.resolve_name(plugin._EXTRA_BUFFER_TARGET))
-
-    def original(view, hf_config):
-        return True
-
-    assert plugin._extra_buffer_hook(original, SimpleNamespace(radix_cache_backend="sparse"), None) is False
-    assert plugin._extra_buffer_hook(original, SimpleNamespace(radix_cache_backend="radix"), None) is True
-    assert plugin._extra_buffer_hook(original, SimpleNamespace(), None) is True
-
-
-def test_one_flag_starts_with_no_buffer(model_dir: Path) -> None:
-    """``--radix-cache-backend sparse`` alone, without the CPU args' explicit
-    ``--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule``: SGLang's ``auto`` strategy
-    resolves to ``no_buffer`` with the overlap schedule off. (Without the plugin SGLang 0.5.23
-    resolves ``auto`` to ``extra_buffer`` here and the CPU server exits at start.)"""
-    from sglang_sparse.testing.server import CPU_SERVER_ARGS
-
-    drop = {"--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"}
-    srv = SGLangServer(
-        model_dir,
-        extra_args=[*CHUNK, "--radix-cache-backend", "sparse"],
-        base_args=[a for a in CPU_SERVER_ARGS if a not in drop],
-        context_length=CONTEXT,
-        max_total_tokens=KV_TOKENS,
-        max_mamba_cache_size=STATE_SLOTS,
-    )
-    try:
-        srv.start(timeout=300)
-        info = server_info(srv)
-        assert (info["radix_cache_backend"], info["mamba_radix_cache_strategy"]) == ("sparse", "no_buffer")
-        assert info["disable_overlap_schedule"] is True
-        assert len(srv.generate(toks(80, 7), NEW).output_ids) == NEW
-    finally:
-        srv.stop()
+    plugin.register()
+    ours = {
+        target
+        for target, hooks in HookRegistry._hooks.items()  # noqa: SLF001
+        if any(getattr(h, "__module__", "").startswith("sglang_sparse") for _, h, _ in hooks)
+    }
+    assert plugin._CHAT_TARGET in ours and plugin._TRACK_GRID_TARGET in ours, ours
+    assert not [t for t in ours if ".arg_groups." in t], ours
+    args = SimpleNamespace(radix_cache_backend="radix", page_size=16, mamba_radix_cache_strategy="auto")
+    assert plugin._server_args_hook(args) is args
