@@ -24,7 +24,8 @@ def _setup():
     for i in range(24):
         inp = np.concatenate([heads[i % 4], rng.integers(0, 5000, 40, dtype=np.int32)])
         window.append((inp, np.concatenate([inp, rng.integers(0, 5000, 8, dtype=np.int32)])))
-    cache = HybridCache("sparse", budget_bytes=cost.state_bytes * 3 + cost.kv_bytes_per_token * 900, cost=cost)
+    budget = cost.state_bytes * 3 + cost.kv_bytes_per_token * 900
+    cache = HybridCache("sparse", budget_bytes=budget, cost=cost)
     return cache.snapshot(), window, cost
 
 
