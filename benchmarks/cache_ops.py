@@ -30,7 +30,10 @@ server doing only cache work); times are per call, in microseconds:
 Separate phases: the policy :class:`~sglang_sparse.policy.eviction.Evictor` evicting one leaf at
 alpha 0 and alpha 2 (incremental candidate index; its first call, which builds the index, is
 reported apart; at alpha 2 alternating with Marconi's min-max score, whose rounds skip the
-decayed score's logarithm), and ``match`` on Python-list prompts (list -> int32 conversion).
+decayed score's logarithm), then with a fifth of the leaves made online sessions' tips
+(:mod:`sglang_sparse.policy.chains`): a round's scoring alone alternating chain recency on and
+off (the same rows: what the sessions' due ticks add to a round), and ``match`` on Python-list
+prompts (list -> int32 conversion).
 
     python benchmarks/cache_ops.py [--quick] [--ops 2000] [--baseline-tree DIR] [--[no-]sglang]
 
@@ -376,6 +379,30 @@ def main(argv: list[str] | None = None) -> int:
                 ev.evict(sparse.cache.bytes_used - 1)
                 out.append(time.perf_counter() - a)
     ev.config = decayed_cfg
+    # Online sessions (``chain_recency``, the product default): a fifth of the leaves become
+    # sessions' tips (one arrival each: a due tick on their rows); a round's scoring alone
+    # (``round_scores`` on unchanged rows) alternating chain recency on and off: what the sessions'
+    # due ticks add to a round. (Whole evictions would not compare: the two rankings pick different
+    # victims, e.g. an interior state whose 100 children then re-score their fallback.)
+    tracker, tree = sparse.cache.chains, sparse.tree
+    for k, leaf in enumerate(sorted(tree.evictable_leaves, key=lambda n: n.uid)):
+        if k % 5 == 0:
+            tree.clock += 1
+            tracker.arrive(leaf, tree.clock, leaf.last_access - 1 - k % 7)
+    ev.invalidate()  # node fields written outside the tree's methods (the chain ids)
+    sparse.cache.alpha = 2.0
+    ev.evict(sparse.cache.bytes_used - 1)  # untimed: rebuilds the index
+    plain_cfg = replace(decayed_cfg, chain_recency=False)
+    t_chain: list[float] = []
+    t_nochain: list[float] = []
+    ev.index.sync()
+    for _ in range(10 * n_policy_evict):
+        for cfg, out in ((decayed_cfg, t_chain), (plain_cfg, t_nochain)):
+            ev.config = cfg
+            a = time.perf_counter()
+            ev.index.round_scores(2.0)
+            out.append(time.perf_counter() - a)
+    ev.config = decayed_cfg
     sparse.cache.alpha = 0.0
     sparse.tree.check()
 
@@ -394,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         "sparse_policy_evictor_one_leaf_alpha2": stats(t_pol[2.0]),
         "sparse_policy_evictor_one_leaf_alpha2_minmax": stats(t_minmax),
         "sparse_policy_evictor_first_call_builds_index": stats(t_pol_build),
+        "sparse_policy_round_scores_alpha2_sessions": stats(t_chain),
+        "sparse_policy_round_scores_alpha2_sessions_chain_recency_off": stats(t_nochain),
         "sparse_match_list_input": stats(t_list),
         "sparse_list_to_int32": stats(t_conv),
         "sglang_radix_cache": sglang_status,
@@ -413,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         ("policy Evictor, 1 leaf, alpha 2", "sparse_policy_evictor_one_leaf_alpha2"),
         ("policy Evictor, 1 leaf, alpha 2, min-max score", "sparse_policy_evictor_one_leaf_alpha2_minmax"),
         ("policy Evictor, first call (index)", "sparse_policy_evictor_first_call_builds_index"),
+        ("policy round scores, alpha 2, sessions", "sparse_policy_round_scores_alpha2_sessions"),
+        (
+            "policy round scores, alpha 2, sessions, chain recency off",
+            "sparse_policy_round_scores_alpha2_sessions_chain_recency_off",
+        ),
     ):
         rows.append(
             ["sparse", label, round(res[key]["median_us"], 1), round(res[key]["p99_us"], 1), res[key]["n"]]
@@ -449,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
                     o["match+insert"]["median_us"] / sp["match+insert_hint"]["median_us"]
                 )
             ratios[f"{other}/sparse match"] = o["match"]["median_us"] / sp["match"]["median_us"]
+    ratios["sessions: chain recency on/off, round scores alpha 2"] = (
+        res["sparse_policy_round_scores_alpha2_sessions"]["median_us"]
+        / res["sparse_policy_round_scores_alpha2_sessions_chain_recency_off"]["median_us"]
+    )
     res["ratios_same_run"] = ratios
     for k, v in ratios.items():
         print(f"{k:38s} {v:6.2f}x")

@@ -154,15 +154,26 @@ def test_random_caches_round_trip_to_the_same_future_decisions(seed: int) -> Non
         pickle.loads(pickle.dumps(cache)),
     ]
     ref_snap = cache.tree.to_snapshot()
+    if kind == "agent":  # online sessions: chain ids on the nodes, their statistics in the cache
+        assert cache.chains.chains and (ref_snap.chain >= 0).any()
     for cp in copies:
         cp.tree.check()
         _snap_equal(cp.tree.to_snapshot(), ref_snap)
         assert cp.alpha == cache.alpha and cp.tail.hist._bins == cache.tail.hist._bins  # noqa: SLF001
+        assert _chain_state(cp) == _chain_state(cache)
+        assert cp.evictor.chains is cp.chains and cp.evictor.probation is cp.probation
     expected = _random_ops(cache, prepared[60:], np.random.default_rng(seed + 100))
     for cp in copies:
         assert _random_ops(cp, prepared[60:], np.random.default_rng(seed + 100)) == expected
         cp.tree.check()
         _snap_equal(cp.tree.to_snapshot(), cache.tree.to_snapshot())
+        assert _chain_state(cp) == _chain_state(cache)
+
+
+def _chain_state(cache: HybridCache) -> tuple:
+    """Everything the online sessions' tracker holds (:mod:`sglang_sparse.policy.chains`)."""
+    ch = cache.chains
+    return (ch.chains, ch.next_id, ch.gap_sum, ch.gaps, ch.continuation_share, ch.prior_gap(), ch.collect_at)
 
 
 def test_builder_builds_an_engine_tree() -> None:

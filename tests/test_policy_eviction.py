@@ -8,7 +8,10 @@ with :class:`Evictor`, the other with :class:`ReferenceEvictor`. After every ste
 locks, versions, eviction index) must be identical, and the evictor's candidate index must equal a
 from-scratch computation (:meth:`CandidateIndex.verify`). Configs: every eviction config of the
 registry plus both ``ckpt_recency`` modes for every candidate scope, min-max and decayed recency,
-alpha 0 and > 0, budgets small enough for ``drop_unservable`` to fire.
+chain recency (online sessions, :mod:`sglang_sparse.policy.chains`) with and without the
+superseded demotion, alpha 0 and > 0, budgets small enough for ``drop_unservable`` to fire. The
+workloads continue sequences from their end (sessions) and keep states on probation, so chains,
+superseded states, provisional leaves and probation states all reach the eviction rounds.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from hypothesis import strategies as st
 
 from sglang_sparse.policy import POLICIES, HybridCache, PolicySpec
 from sglang_sparse.policy.eviction import CKPT, LEAF, EvictionConfig, Evictor, ScoredCandidate
-from sglang_sparse.policy.eviction_index import det_log1p
+from sglang_sparse.policy.eviction_index import det_log1p, effective_recency
 from sglang_sparse.policy.eviction_reference import ReferenceEvictor
 from sglang_sparse.sim import cost_model
 from sglang_sparse.tree import Freed
@@ -45,7 +48,15 @@ _EXTRA = {
 }
 # Decayed recency (recency_scale, ticks) on every per-checkpoint-clock config.
 _DECAYED = {replace(c, recency_scale=3.0) for c in _EXTRA if c.ckpt_recency == "own"}
-CONFIGS = sorted(_REGISTRY | _EXTRA | _DECAYED, key=repr)
+# Chain recency (online sessions) on the decayed configs that score checkpoints, with and without
+# a superseded demotion (ticks).
+_CHAINED = {
+    replace(c, chain_recency=True, superseded_demotion=d)
+    for c in _DECAYED
+    if c.ckpt_scope != "none" and c.value == "marconi"
+    for d in (0.0, 5.0)
+}
+CONFIGS = sorted(_REGISTRY | _EXTRA | _DECAYED | _CHAINED, key=repr)
 
 
 def make_cache(cfg: EvictionConfig, budget: int, admission: str = "sparse") -> HybridCache:
@@ -62,7 +73,9 @@ def pair(
     new = make_cache(cfg, budget, admission)
     new.alpha = alpha
     ref = copy.deepcopy(new)
-    ref.evictor = ReferenceEvictor(ref.tree, cfg, COST, alpha, capacity_bytes=budget)
+    ref.evictor = ReferenceEvictor(
+        ref.tree, cfg, COST, alpha, capacity_bytes=budget, probation=ref.probation, chains=ref.chains
+    )
     assert type(new.evictor) is Evictor
     return new, ref
 
@@ -84,12 +97,18 @@ def dump(cache: HybridCache) -> tuple:
             n.lock_ref,
             n.version,
             n.plan,
+            n.seq_end,
+            n.chain,
         )
         for n in t.nodes()
     ]
     lru = t.lru_leaf()
+    ch = cache.chains
     return (
         nodes,
+        sorted(cache.probation),
+        sorted(ch.chains.items()),
+        (ch.next_id, ch.gap_sum, ch.gaps, ch.continuation_share, ch.prior_gap()),
         t.clock,
         t.kv_tokens,
         t.num_states,
@@ -115,18 +134,22 @@ def reference_scores(ev: Evictor) -> dict[tuple[int, int, int], tuple[float, boo
     raw = [r for r in raw if r[3] is not None]
     if not raw:
         return {}
-    rs = [c[0] for *_, c in raw]
+    cfg = ev.config
+    clock = ev.chain_clock()
+    # a chain candidate's recency comes from its session's due tick (a provisional one's from the
+    # tracker's prior gap)
+    rs = [effective_recency(c[0], c[5], c[6], c[7], clock) for *_, c in raw]
     vs = [c[1] for *_, c in raw]
     rmin, rspan = min(rs), (max(rs) - min(rs)) or 1.0
     vmin, vspan = min(vs), (max(vs) - min(vs)) or 1.0
-    tau = ev.config.recency_scale
+    tau = cfg.recency_scale
     if tau is not None:  # decayed recency: (t - t_min) / tau + ln(1 + alpha * e)
         return {
             (n.uid, p, k): (
-                (c[0] - rmin) / tau + float(det_log1p(np.array([ev.alpha * (c[1] - vmin) / vspan]))[0]),
+                (r - rmin) / tau + float(det_log1p(np.array([ev.alpha * (c[1] - vmin) / vspan]))[0]),
                 c[3],
             )
-            for k, n, p, c in raw
+            for (k, n, p, c), r in zip(raw, rs, strict=True)
         }
     return {
         (n.uid, p, k): ((c[0] - rmin) / rspan + ev.alpha * (c[1] - vmin) / vspan, c[3]) for k, n, p, c in raw
@@ -157,16 +180,26 @@ class Workload:
                 c.observe(m)
             c.lock(m.node)
             off = 0 if full_kv else m.kv_depth
-            plan = c.capture_plan(m, len(seq))
+            plan = c.plan(m, len(seq))
             extra = [p for p in range(1, len(seq) + 1) if (ckpt_mask >> (p % 16)) & 1]
-            ck = {p: 1000 * self.next_state + p for p in sorted(set(plan) | set(extra))}
-            res = c.insert(seq, kv[off:], ck, kv_offset=off)
+            ck = {p: 1000 * self.next_state + p for p in sorted(set(plan.positions) | set(extra))}
+            res = c.insert(seq, kv[off:], ck, kv_offset=off, probation=plan.probation)
             c.unlock(m.node)
             return res.prefix_len, [np.asarray(h).tolist() for h in res.unused_kv], res.unused_states
 
         a, b = self.both(run)
         self.next_state += 1
         assert a == b
+
+    def extend(self, i: int, tail: list[int], ckpt_mask: int) -> None:
+        """A session's next turn: the ``i``-th sequence-end leaf's whole path plus ``tail`` (a
+        continuation from its end, so chains form), inserted as :meth:`insert` does."""
+        ends = sorted(n.uid for n in self.new.tree.nodes() if n.seq_end and not n.children)
+        if not ends:
+            return
+        uid = ends[i % len(ends)]
+        seq = self.new.tree.path_tokens(by_uid(self.new, uid)).tolist() + tail
+        self.insert(seq, ckpt_mask, False, True)
 
     def observe(self, seq: list[int]) -> None:
         self.both(lambda c: c.observe(c.match(seq)))
@@ -247,10 +280,13 @@ class Workload:
 SEQS = st.lists(st.integers(0, 3), min_size=1, max_size=24)
 _INSERT = st.tuples(st.just("insert"), SEQS, st.integers(0, 2**16 - 1), st.booleans(), st.booleans())
 _EVICT = st.tuples(st.just("evict"), st.one_of(st.none(), st.integers(0, 60)))
+_EXTEND = st.tuples(st.just("extend"), st.integers(0, 99), SEQS, st.integers(0, 2**16 - 1))
 OPS = st.one_of(  # one_of draws its branches uniformly: inserts and evictions are listed thrice
     _INSERT,
     _INSERT,
     _INSERT,
+    _EXTEND,
+    _EXTEND,
     _EVICT,
     _EVICT,
     _EVICT,
@@ -272,6 +308,8 @@ def run_ops(w: Workload, ops: list[tuple]) -> None:
         name, *args = op
         if name == "insert":
             w.insert(*args)
+        elif name == "extend":
+            w.extend(*args)
         elif name == "observe":
             w.observe(*args)
         elif name == "lock":
@@ -294,6 +332,7 @@ def run_ops(w: Workload, ops: list[tuple]) -> None:
     CONFIGS,
     ids=lambda c: (
         f"{c.node_states}-{c.ckpt_scope}-{c.ckpt_recency}-{c.value}-{c.drop_unservable}-{c.recency_scale}"
+        + (f"-chain{c.superseded_demotion:g}" if c.chain_recency else "")
     ),
 )
 @settings(
@@ -329,7 +368,9 @@ def test_long_random_workloads_per_policy(name: str, alpha: float) -> None:
             prefixes[int(rng.integers(len(prefixes)))]
             + rng.integers(0, 5, size=int(rng.integers(1, 30))).tolist()
         )
-        if r < 0.55:
+        if r < 0.2:  # a session's next turn (chains, superseded states)
+            w.extend(int(rng.integers(100)), rng.integers(0, 5, size=int(rng.integers(1, 12))).tolist(), 0)
+        elif r < 0.55:
             w.insert(seq, int(rng.integers(0, 2**16)), bool(rng.random() < 0.5), bool(rng.random() < 0.7))
         elif r < 0.65:
             w.observe(seq)
@@ -350,6 +391,37 @@ def test_long_random_workloads_per_policy(name: str, alpha: float) -> None:
             w.check()
     w.check()
     assert w.evictions > 40
+
+
+@pytest.mark.parametrize("alpha", [0.0, 2.0])
+def test_sessions_same_decisions_as_reference(alpha: float) -> None:
+    """Interleaved multi-turn sessions (each turn continues the previous one's whole sequence, as
+    the agent trace does) under the product config: chains form, superseded states and provisional
+    leaves are ranked by the sessions' due ticks, and both evictors still agree at every step."""
+    w = Workload(POLICIES["sparse"].eviction, budget=220, alpha=alpha)
+    rng = np.random.default_rng(11)
+    gap = [1, 1, 2, 3, 6]  # session k comes back about every gap[k] requests
+    seqs: dict[int, list[int]] = {}
+    idx = w.new.evictor._index  # noqa: SLF001
+    seen_chain = seen_superseded = 0
+    for step in range(300):
+        k = int(rng.integers(5))
+        if rng.random() > 1.0 / gap[k]:
+            continue
+        if len(seqs.get(k, ())) > 60:  # the session ends; a new one takes its place
+            del seqs[k]
+        head = seqs.get(k, [9, k, step % 4] + rng.integers(0, 4, size=5).tolist())
+        seqs[k] = head + rng.integers(0, 4, size=int(rng.integers(2, 9))).tolist()
+        w.insert(seqs[k], 0, False, True)
+        w.evict(None)
+        if step % 3 == 0:
+            w.check()
+            seen_chain += bool(idx.chn[: idx.n].any())
+            seen_superseded += bool(idx.sup[: idx.n].any())
+    w.check()
+    ch = w.new.chains
+    assert ch.arrivals > 50 and ch.joins > 50 and ch.prior_gap() is not None
+    assert seen_chain > 20 and seen_superseded > 5, (seen_chain, seen_superseded)
 
 
 def test_scores_api() -> None:

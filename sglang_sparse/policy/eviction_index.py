@@ -3,7 +3,8 @@
 The evictor's specification (:class:`~.eviction_reference.ReferenceEvictor`) re-enumerates and
 re-scores every candidate at the start of each eviction round. This index keeps, for every live
 node of the tree, the raw terms of its candidates -- ``(recency, efficiency FLOPs/byte,
-unservable)`` exactly as ``Evictor._candidate`` computes them -- in dense numpy columns, and
+unservable, probation, session due tick, superseded, provisional)`` exactly as
+``Evictor._candidate`` computes them -- in dense numpy columns, and
 refreshes only the nodes that changed since the previous round. A round then costs a few
 vectorised passes over the columns (min/max, the normalised scores, one selection) instead of
 O(n) Python scoring.
@@ -13,6 +14,13 @@ What a candidate's raw terms depend on (``node`` = the node holding it):
 * ``node`` itself: liveness, lock, children count, edge ``(start, end]``, checkpoint positions,
   ``last_access``, ``ckpt_access``, its depth histogram (``value="law"``), its membership in the
   tree's eviction index (``evictable_leaves`` / ``evictable_ckpt_nodes``);
+* its online session (:mod:`.chains`; ``Evictor._chain_terms``, part of the signature below):
+  ``node.chain`` and that chain's due tick, ``seq_end``, and whether its only child is on the same
+  chain. A chain's due tick changes only when a request continues the chain, and every node of the
+  chain is then on that request's observed path (see :mod:`.chains`), so step 2 below finds them;
+  a child joins its parent's chain at the end of an insert through both. The round-time parts
+  (the tick ``now``, the superseded demotion, the tracker's prior gap, whether chain recency is on
+  at all) are not row terms: :meth:`CandidateIndex.effective_recency` applies them vectorised;
 * the *inherited fallback* of its first checkpoint: the deepest checkpoint of the nearest ancestor
   holding one (``tree.fallback_depth``). Each node caches ``down``, the fallback it passes to its
   children (its deepest checkpoint, else its own inherited fallback); when a refreshed node's
@@ -38,8 +46,9 @@ properties of :class:`~sglang_sparse.tree.RadixTree` (checked by the differentia
    counts of every registered node; O(n), ~1 us/node); should the totals still disagree, the index
    is rebuilt from scratch (O(n) scoring, the reference round's cost).
 
-Refreshing a found node is skipped when nothing its rows read changed (:meth:`CandidateIndex._needs_refresh`:
-same checkpoints, clocks, children, lock and inherited fallback, and its rows do not read the
+Refreshing a found node is skipped when nothing its rows read changed
+(:meth:`CandidateIndex._needs_refresh`: same checkpoints, clocks, children, lock, session terms and
+inherited fallback, and its rows do not read the
 ``last_access`` that changed): along a long path every request rewrites ``last_access`` on every
 node, but for per-state recency (``ckpt_recency="own"``) only the leaf's rows read it. A node's
 inherited fallback is its parent's cached ``down`` (parents are refreshed before children), not a
@@ -59,7 +68,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -70,6 +79,8 @@ if TYPE_CHECKING:
 
 #: Candidate kinds (see :mod:`.eviction`); re-exported there.
 LEAF, NODE_STATES, CKPT = 0, 1, 2
+#: the per-row numpy columns (see :class:`CandidateIndex`)
+_COLUMNS = ("rec", "val", "dead", "prob", "chn", "due", "sup", "prv", "uid", "pos", "kind")
 _UNKNOWN = -2  # ``down`` of a node that was never computed (forces its children to refresh)
 
 
@@ -90,10 +101,11 @@ class _Info:
         self.slots: list[int] = []  # column rows of this node's candidates
 
 
-def _signature(node: Node, probation: Container[Any]) -> tuple:
+def _signature(node: Node, probation: Container[Any], chain: tuple[float | None, bool]) -> tuple:
     """Everything a node's rows depend on besides ``last_access``, its inherited fallback and its
     depth histogram: identity/edge (``version``), children count, lock, liveness, checkpoints,
-    their clocks and which of them are on probation (a handful per node)."""
+    their clocks, which of them are on probation (a handful per node) and its chain terms
+    (``Evictor._chain_terms``: the due tick, whether its only child continues the chain)."""
     items = node.checkpoints.items()
     return (
         node.version,
@@ -103,6 +115,7 @@ def _signature(node: Node, probation: Container[Any]) -> tuple:
         tuple(items),
         tuple(node.ckpt_access.items()),
         tuple(h in probation for _, h in items),
+        chain,
     )
 
 
@@ -111,18 +124,69 @@ def _signature(node: Node, probation: Container[Any]) -> tuple:
 #: probation states go first, oldest first. Ticks stay exact up to 2**52 - 1e15 (~3.5e15).
 PROBATION_KEY = -1e15
 
-#: ``(rmin, rspan, vmin, vspan)``: a round's normalisation constants (see :func:`round_constants`)
-Constants = tuple[float, float, float, float]
+
+class ChainClock(NamedTuple):
+    """What a round with chain recency (``EvictionConfig.chain_recency``) needs besides the
+    candidates' terms: ``now`` (the tree's clock when the round starts, ticks), ``demote`` (ticks
+    a superseded state is set back) and ``prior`` (ticks after its recency at which a provisional
+    candidate is expected back; ``None``: the tracker has no prior, see
+    :meth:`~.chains.ChainTracker.prior_gap`)."""
+
+    now: float
+    demote: float
+    prior: float | None
+
+
+#: ``(rmin, rspan, vmin, vspan, clock)``: a round's constants (see :func:`round_constants`);
+#: ``clock`` is ``None`` without chain recency
+Constants = tuple[float, float, float, float, ChainClock | None]
+
+#: A candidate's raw terms (``Evictor._candidate``): ``(recency tick, FLOPs/byte, bytes, unservable,
+#: probation, due tick of its chain or None, superseded, provisional)``
+Terms = tuple[float, float, int, bool, bool, float | None, bool, bool]
 
 
 def round_constants(
-    rec_min: float, rec_max: float, val_min: float, val_max: float, recency_scale: float | None
+    rec_min: float,
+    rec_max: float,
+    val_min: float,
+    val_max: float,
+    recency_scale: float | None,
+    clock: ChainClock | None = None,
 ) -> Constants:
-    """A round's normalisation: recency ``(t - rmin) / rspan`` (``rspan`` = ``recency_scale`` ticks
-    when set, else the recency range), efficiency ``(v - vmin) / vspan`` (its range); a zero range
-    is replaced by 1."""
+    """A round's constants: recency ``(t - rmin) / rspan`` (``t`` the :func:`effective_recency`;
+    ``rspan`` = ``recency_scale`` ticks when set, else the recency range), efficiency ``(v - vmin)
+    / vspan`` (its range); a zero range is replaced by 1; ``clock``: see :class:`ChainClock`."""
     rspan = recency_scale if recency_scale is not None else (rec_max - rec_min) or 1.0
-    return rec_min, rspan, val_min, (val_max - val_min) or 1.0
+    return rec_min, rspan, val_min, (val_max - val_min) or 1.0, clock
+
+
+def effective_recency(
+    rec: float, due: float | None, sup: bool, prov: bool, clock: ChainClock | None
+) -> float:
+    """The recency tick a candidate is scored with: its own ``rec`` without chain recency
+    (``clock is None``) or off a chain (``due is None``), unless it is provisional (a sequence-end
+    leaf no chain holds) and the tracker has a prior gap: then ``due = rec + prior``, as for a
+    chain. On a chain the session's predicted return stands in for the recency: with ``w = due -
+    now`` ticks to wait (``2 - w`` once the session is overdue, ``w < 1``: it ages one tick per tick
+    overdue), ``now - w``: the recency of an item whose age equals the predicted wait, so a session
+    due soon ranks as just used and the slowest sessions go first. A superseded state is set back
+    ``demote`` ticks more. Float operations in this order (:meth:`CandidateIndex.effective_recency`
+    repeats them)."""
+    if clock is None:
+        return rec
+    now, demote, prior = clock
+    if due is None:
+        if not prov or prior is None:
+            return rec
+        due = rec + prior
+    w = due - now
+    if not w >= 1.0:
+        w = 2.0 - w
+    r = now - w
+    if sup:
+        r = r - demote
+    return r
 
 
 _LN2 = 0.6931471805599453
@@ -152,12 +216,10 @@ def det_log1p(x: np.ndarray) -> np.ndarray:
     return e * _LN2 + 2.0 * s * acc
 
 
-def candidate_score(
-    c: tuple[float, float, int, bool, bool], k: Constants, alpha: float, decayed: bool
-) -> float:
-    """Score of one candidate's terms ``c = (recency, FLOPs/byte, bytes, unservable, probation)``
-    under the round's constants ``k`` (``-inf`` if unservable, ``PROBATION_KEY + recency`` if on
-    probation). ``decayed``: the efficiency enters as
+def candidate_score(c: Terms, k: Constants, alpha: float, decayed: bool) -> float:
+    """Score of one candidate's terms ``c`` (:data:`Terms`) under the round's constants ``k``
+    (``-inf`` if unservable, ``PROBATION_KEY + recency`` if on probation, its own recency tick; else
+    the :func:`effective_recency` normalised). ``decayed``: the efficiency enters as
     ``ln(1 + alpha * e)`` (:func:`det_log1p`; ``e`` clamped at 0: a candidate exposed during a
     round can lie below the round's minimum), else as ``alpha * e``.
     :meth:`CandidateIndex.round_scores` computes the same values vectorised, with the same float
@@ -166,8 +228,8 @@ def candidate_score(
         return -math.inf
     if c[4]:
         return PROBATION_KEY + c[0]
-    rmin, rspan, vmin, vspan = k
-    r = (c[0] - rmin) / rspan
+    rmin, rspan, vmin, vspan, clock = k
+    r = (effective_recency(c[0], c[5], c[6], c[7], clock) - rmin) / rspan
     if decayed:
         return r + float(det_log1p(np.array([max(0.0, alpha * (c[1] - vmin) / vspan)]))[0])
     return r + alpha * (c[1] - vmin) / vspan
@@ -180,6 +242,8 @@ class CandidateIndex:
     ``Evictor.candidates()`` for which ``Evictor._candidate`` is not ``None``, one row each, with
     ``rec`` = recency (logical clock, as float), ``val`` = efficiency (FLOPs per byte; 0.0 while
     values are off), ``dead`` = unservable, ``prob`` = every state it holds is on probation,
+    ``chn`` = on an online session and ``due`` its due tick (0.0 off a session), ``sup`` =
+    superseded, ``prv`` = provisional (a sequence-end leaf no session holds),
     ``uid``/``pos``/``kind`` the tie-break keys and
     ``node``/``ver`` the node and its ``version``. Row order is arbitrary (swap-remove).
     """
@@ -200,6 +264,10 @@ class CandidateIndex:
         self.val = np.empty(cap, dtype=np.float64)
         self.dead = np.empty(cap, dtype=np.bool_)
         self.prob = np.empty(cap, dtype=np.bool_)
+        self.chn = np.empty(cap, dtype=np.bool_)
+        self.due = np.empty(cap, dtype=np.float64)
+        self.sup = np.empty(cap, dtype=np.bool_)
+        self.prv = np.empty(cap, dtype=np.bool_)
         self.uid = np.empty(cap, dtype=np.int64)
         self.pos = np.empty(cap, dtype=np.int64)
         self.kind = np.empty(cap, dtype=np.int64)
@@ -210,11 +278,13 @@ class CandidateIndex:
     def _scratch(self) -> None:
         """Per-round work arrays, reused (a fresh 100+ KB array per round costs page faults)."""
         cap = self.cap
-        self._score, self._key, self._rem, self._tmp = (np.empty(cap, dtype=np.float64) for _ in range(4))
+        self._score, self._key, self._rem, self._tmp, self._eff, self._wait = (
+            np.empty(cap, dtype=np.float64) for _ in range(6)
+        )
 
     def _grow(self) -> None:
         cap = self.cap * 2
-        for name in ("rec", "val", "dead", "prob", "uid", "pos", "kind"):
+        for name in _COLUMNS:
             old = getattr(self, name)
             new = np.empty(cap, dtype=old.dtype)
             new[: self.n] = old[: self.n]
@@ -223,7 +293,18 @@ class CandidateIndex:
         self._scratch()
 
     def _add_row(
-        self, node: Node, info: _Info, kind: int, pos: int, r: float, v: float, d: bool, pb: bool
+        self,
+        node: Node,
+        info: _Info,
+        kind: int,
+        pos: int,
+        r: float,
+        v: float,
+        d: bool,
+        pb: bool,
+        due: float | None = None,
+        sup: bool = False,
+        prv: bool = False,
     ) -> None:
         i = self.n
         if i == self.cap:
@@ -232,6 +313,10 @@ class CandidateIndex:
         self.val[i] = v
         self.dead[i] = d
         self.prob[i] = pb
+        self.chn[i] = due is not None
+        self.due[i] = 0.0 if due is None else due
+        self.sup[i] = sup
+        self.prv[i] = prv
         self.uid[i] = node.uid
         self.pos[i] = pos
         self.kind[i] = kind
@@ -245,7 +330,8 @@ class CandidateIndex:
         for i in sorted(info.slots, reverse=True):
             last = self.n - 1
             if i != last:
-                for col in (self.rec, self.val, self.dead, self.prob, self.uid, self.pos, self.kind):
+                for name in _COLUMNS:
+                    col = getattr(self, name)
                     col[i] = col[last]
                 moved = self.node[last]
                 self.node[i] = moved
@@ -278,7 +364,12 @@ class CandidateIndex:
         ``last_access`` the rows read nor a depth histogram the values read (``value="law"``). This
         is what spares the interior nodes of a long path whose only change is the recency every
         request writes on its whole path (``observe``)."""
-        if info.sig is None or inherited != info.inh or _signature(node, self.ev.probation) != info.sig:
+        ev = self.ev
+        if (
+            info.sig is None
+            or inherited != info.inh
+            or _signature(node, ev.probation, ev._chain_terms(node)) != info.sig  # noqa: SLF001
+        ):
             return True
         cfg = self.ev.config
         if self.values_on and cfg.value == "law":
@@ -306,6 +397,7 @@ class CandidateIndex:
             inherited = tree.fallback_depth(node, node.start + 1)
         # fallback of each checkpoint: the previous one on the edge, the inherited one for the first
         fbs = [inherited, *keys[:-1]]
+        chain = ev._chain_terms(node)  # noqa: SLF001
         # -- the candidates of this node, as ``candidates()`` + ``_candidate()`` define them
         if (
             node.alive
@@ -323,18 +415,19 @@ class CandidateIndex:
             prob = ev.probation
             on_probation = [h in prob for h in ck.values()] if prob else [False] * len(keys)
             all_prob = bool(keys) and all(on_probation)
+            due, continued, prv = chain
             if not children:
                 nbytes = tree.node_bytes(node)
                 v = sum(fl) if values else 0.0
                 d = bool(ck) and ev._unservable(keys[0])  # noqa: SLF001
                 rec = float(node.last_access)
-                self._add_row(node, info, LEAF, -1, rec, v / max(nbytes, 1), d, all_prob)
+                self._add_row(node, info, LEAF, -1, rec, v / max(nbytes, 1), d, all_prob, due, False, prv)
             elif cfg.node_states and len(children) == 1 and ck:
                 nbytes = len(ck) * tree.state_bytes
                 v = sum(fl) if values else 0.0
                 d = ev._unservable(keys[0])  # noqa: SLF001
                 rec = float(node.last_access)
-                self._add_row(node, info, NODE_STATES, -1, rec, v / nbytes, d, all_prob)
+                self._add_row(node, info, NODE_STATES, -1, rec, v / nbytes, d, all_prob, due, False, prv)
             if cfg.ckpt_scope != "none" and ck:
                 own = cfg.ckpt_recency == "own"
                 last = keys[-1]
@@ -347,7 +440,9 @@ class CandidateIndex:
                         nbytes += (node.end - above) * tree.kv_bytes_per_token
                     v = fl[i] if values else 0.0
                     d = ev._unservable(p)  # noqa: SLF001
-                    self._add_row(node, info, CKPT, p, float(rec), v / nbytes, d, on_probation[i])
+                    sup = due is not None and (continued or p != last)
+                    pb = on_probation[i]
+                    self._add_row(node, info, CKPT, p, float(rec), v / nbytes, d, pb, due, sup, prv)
         # -- bookkeeping (totals for the consistency check, eviction-index copies)
         nck, ntok = len(ck), node.num_tokens
         self.num_states += nck - info.nck
@@ -363,7 +458,7 @@ class CandidateIndex:
         changed = down != info.down
         info.down = down
         info.inh = inherited
-        info.sig = _signature(node, ev.probation)
+        info.sig = _signature(node, ev.probation, chain)
         return changed
 
     def _register(self, node: Node) -> _Info:
@@ -537,12 +632,42 @@ class CandidateIndex:
 
     # ------------------------------------------------------------------ scoring
 
-    def round_scores(self, alpha: float) -> tuple[np.ndarray, np.ndarray, tuple[float, float, float, float]]:
-        """``(score, key, (rmin, rspan, vmin, vspan))`` over rows ``0 .. n-1`` (``n > 0``; the arrays
-        are work buffers, overwritten by the next call).
+    def effective_recency(self, clock: ChainClock | None) -> np.ndarray:
+        """:func:`effective_recency` of rows ``0 .. n-1`` (a work buffer, or the ``rec`` column
+        itself when no row is on a chain or ``clock`` is ``None``), with the same float operations."""
+        n = self.n
+        rec = self.rec[:n]
+        if clock is None:
+            return rec
+        now, demote, prior = clock
+        chn = self.chn[:n]
+        prv = self.prv[:n]
+        use_prior = prior is not None and bool(prv.any())
+        if use_prior:
+            chn = chn | prv
+        if not chn.any():
+            return rec
+        due = self.due[:n]
+        if use_prior:
+            due = np.where(prv, rec + prior, due)
+        w = np.subtract(due, now, out=self._wait[:n])
+        np.subtract(2.0, w, out=w, where=w < 1.0)
+        r = np.subtract(now, w, out=w)
+        if demote:
+            np.subtract(r, demote, out=r, where=self.sup[:n])
+        eff = self._eff[:n]
+        np.copyto(eff, rec)
+        np.copyto(eff, r, where=chn)
+        return eff
+
+    def round_scores(self, alpha: float) -> tuple[np.ndarray, np.ndarray, Constants]:
+        """``(score, key, constants)`` over rows ``0 .. n-1`` (``n > 0``; the arrays are work
+        buffers, overwritten by the next call; ``constants`` as :func:`round_constants`, ``now`` =
+        the tree's clock).
 
         ``score`` is :func:`candidate_score` of every row with the reference's constants
-        (:func:`round_constants`) and float operations: ``(rec - rmin) / rspan`` plus
+        (:func:`round_constants`) and float operations: ``(t - rmin) / rspan`` (``t`` the
+        :meth:`effective_recency`, ``rmin`` its minimum) plus
         ``alpha * (val - vmin) / vspan``, or its :func:`det_log1p` under decayed recency (never negative
         here: ``val >= vmin`` on every row). ``key`` is ``score`` with ``-inf`` for unservable rows
         (the round's heap key). With ``alpha == 0`` the efficiency term is exactly ``+0.0`` in the
@@ -550,16 +675,16 @@ class CandidateIndex:
         (``x + 0.0 == x`` for ``x >= 0``).
         """
         n = self.n
-        rec = self.rec[:n]
         cfg = self.ev.config
+        clock = self.ev.chain_clock()
+        rec = self.effective_recency(clock)
         if alpha > 0:
             val = self.val[:n]
-            consts = round_constants(
-                float(rec.min()), float(rec.max()), float(val.min()), float(val.max()), cfg.recency_scale
-            )
+            vlo, vhi = float(val.min()), float(val.max())
         else:
-            consts = round_constants(float(rec.min()), float(rec.max()), 0.0, 0.0, cfg.recency_scale)
-        rmin, rspan, vmin, vspan = consts
+            vlo = vhi = 0.0
+        consts = round_constants(float(rec.min()), float(rec.max()), vlo, vhi, cfg.recency_scale, clock)
+        rmin, rspan, vmin, vspan, _ = consts
         score = np.subtract(rec, rmin, out=self._score[:n])
         score /= rspan
         if alpha > 0:
@@ -574,10 +699,10 @@ class CandidateIndex:
         np.copyto(key, score)
         prob = self.prob[:n]
         if prob.any():
-            np.copyto(key, rec + PROBATION_KEY, where=prob)
+            np.copyto(key, self.rec[:n] + PROBATION_KEY, where=prob)
         if dead.any():
             np.putmask(key, dead, -np.inf)
-        return score, key, (rmin, rspan, vmin, vspan)
+        return score, key, consts
 
     def order(self, key: np.ndarray, exclude: np.ndarray | None = None) -> Iterator[int]:
         """Rows in ascending ``(key, uid, pos, kind)`` order, lazily: the first row costs one
@@ -618,7 +743,7 @@ class CandidateIndex:
         for kind, node, pos in ev.candidates():
             c = ev._candidate(kind, node, pos, need_value=self.values_on)  # noqa: SLF001
             if c is not None:
-                want[(node.uid, pos, kind)] = (c[0], c[1], c[3], c[4], node.version)
+                want[(node.uid, pos, kind)] = (c[0], c[1], c[3], c[4], c[5], c[6], c[7], node.version)
         got = {}
         for i in range(self.n):
             key = (int(self.uid[i]), int(self.pos[i]), int(self.kind[i]))
@@ -629,6 +754,9 @@ class CandidateIndex:
                 float(self.val[i]),
                 bool(self.dead[i]),
                 bool(self.prob[i]),
+                float(self.due[i]) if self.chn[i] else None,
+                bool(self.sup[i]),
+                bool(self.prv[i]),
                 self.ver[i],
             )
         assert got.keys() == want.keys(), (sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys()))

@@ -15,7 +15,7 @@ import heapq
 from sglang_sparse.tree import Freed, Node
 
 from .eviction import CKPT, LEAF, NODE_STATES, CandidateTerms
-from .eviction_index import candidate_score, round_constants
+from .eviction_index import Terms, candidate_score, effective_recency, round_constants
 
 __all__ = ["CKPT", "LEAF", "NODE_STATES", "ReferenceEvictor"]
 
@@ -26,6 +26,13 @@ class ReferenceEvictor(CandidateTerms):
     per round. Same constructor and decisions; used by the differential tests and the benchmark
     only. The candidate terms are shared with :class:`~.eviction.Evictor`
     (:class:`~.eviction.CandidateTerms`); what this class pins down is the round."""
+
+    def touch(self, node: Node) -> None:
+        """No-op (:meth:`Evictor.touch`'s interface): every round re-scores every candidate."""
+        del node
+
+    def invalidate(self) -> None:
+        """No-op (:meth:`Evictor.invalidate`'s interface): nothing is cached between rounds."""
 
     # ------------------------------------------------------------------ loop
 
@@ -38,12 +45,13 @@ class ReferenceEvictor(CandidateTerms):
                 raw.append((kind, node, pos, c))
         if not raw:
             return False
-        rs = [c[0] for *_, c in raw]
+        clock = self.chain_clock()
+        rs = [effective_recency(c[0], c[5], c[6], c[7], clock) for *_, c in raw]
         vs = [c[1] for *_, c in raw]
-        consts = round_constants(min(rs), max(rs), min(vs), max(vs), self.config.recency_scale)
+        consts = round_constants(min(rs), max(rs), min(vs), max(vs), self.config.recency_scale, clock)
         decayed = self.config.recency_scale is not None
 
-        def score(c: tuple[float, float, int, bool]) -> float:
+        def score(c: Terms) -> float:
             return candidate_score(c, consts, self.alpha, decayed)
 
         heap = [(score(c), node.uid, pos, kind, node, node.version) for kind, node, pos, c in raw]

@@ -171,6 +171,12 @@ def simulate(
     spec = get_policy(policy)
     if spec.needs_law_provider and oracle is None:
         oracle = OracleLaw(requests)
+    if not spec.needs_law_provider:
+        # Only the oracle policy sees the whole trace's law, in its replays too: a caller passing
+        # one oracle for every policy (benchmarks/sim_compare.py) must not hand it to the others'
+        # alpha tuning (it did: rag at 5% of the footprint, sparse tuned alpha 4 on oracle-law
+        # replays, 0.072, instead of 0.5, 0.092).
+        oracle = None
     prepared = _prepare(requests)
     n = len(prepared)
     cache = HybridCache(

@@ -52,7 +52,9 @@ class MiniEngine:
                 resume = d
         return node, d, resume
 
-    def insert(self, tokens: list[int]) -> EngineNode:
+    def insert(self, tokens: list[int], *, finished: bool = False) -> EngineNode:
+        """Cache ``tokens`` with a state at their end; ``finished``: the request's final insert
+        (SGLang's ``cache_finished_req``: a sequence ended there)."""
         node, d, _ = self.match(tokens)
         if d < len(tokens):
             leaf = EngineNode(next(self.ids), tokens[d:], node)
@@ -62,7 +64,7 @@ class MiniEngine:
         if not node.state:
             node.state = True
             self.policy.on_state_set(node.id)
-        self.policy.on_insert(node.id)
+        self.policy.on_insert(node.id, finished=finished)
         return node
 
     def nodes(self) -> Iterator[EngineNode]:

@@ -21,6 +21,9 @@ view of a caller's array). Invariants (checked by :meth:`RadixTree.check`):
   that only exists because a split or a cut-back made it end there is not one). The tail prior
   learns suffix distances only from such leaves: a leaf cut back to a state is not where any
   sequence ended, so a request reaching its end need not continue anything.
+* ``chain``: the id of the online session (chain of leaves continued from their end) this node
+  belongs to, ``-1`` if none; written by :class:`~sglang_sparse.policy.chains.ChainTracker` only,
+  kept by the upper part of a split and by the child of a merge.
 * ``heap_key`` is the ``last_access`` of this node's newest entry in the tree's LRU leaf heap
   (``-1`` if it has none); maintained by :class:`RadixTree` only.
 """
@@ -191,6 +194,7 @@ class Node:
         "alive",
         "heap_key",
         "seq_end",
+        "chain",
     )
 
     def __init__(
@@ -215,6 +219,7 @@ class Node:
         self.alive = True
         self.heap_key = -1
         self.seq_end = False
+        self.chain = -1
 
     @property
     def end(self) -> int:

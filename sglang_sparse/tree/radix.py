@@ -330,8 +330,9 @@ def _merge_hist(upper: DepthHistogram | None, lower: DepthHistogram | None, at: 
 def split_node_state(node: Node, up: Node, at: int) -> None:
     """Move the per-edge state of ``node`` at or above depth ``at`` to ``up``, its new upper half:
     checkpoints (with their clocks) at positions ``<= at``, the histogram (:func:`_split_hist`) and
-    the plan; ``node`` keeps the rest and gets a new ``version``. Shared by every split (the
-    token tree's and the engine-driven mirror's)."""
+    the plan; ``node`` keeps the rest and gets a new ``version``. ``up`` joins ``node``'s chain
+    (the same session's prefix; ``seq_end`` stays below). Shared by every split (the token tree's
+    and the engine-driven mirror's)."""
     ck = node.checkpoints
     keys = ck._keys  # noqa: SLF001 - sorted positions
     while keys and keys[0] <= at:
@@ -345,6 +346,7 @@ def split_node_state(node: Node, up: Node, at: int) -> None:
         node.plan = tuple(p for p in node.plan if p > at)
     node.plan_fresh = False
     node.version += 1
+    up.chain = node.chain
 
 
 LawProvider = Callable[[Node, "RadixTree"], tuple[np.ndarray, np.ndarray]]

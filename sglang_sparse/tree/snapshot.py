@@ -17,7 +17,8 @@ Fields (units: tokens for depths and lengths, logical clock ticks for clocks, by
 * per node ``i`` (arrays of length ``n``): ``parent`` (int64, ``-1`` for the root), ``uid``
   (int64, unique), ``start`` (int64, depth before the edge: the parent's end, 0 for the root),
   ``last_access`` (int64 clock), ``lock_ref`` (int64 >= 0; the root's is >= 1 and a node's is >=
-  the sum of its children's), ``version`` (int64), ``plan_fresh`` (bool), ``seq_end`` (bool), ``kv``
+  the sum of its children's), ``version`` (int64), ``plan_fresh`` (bool), ``seq_end`` (bool),
+  ``chain`` (int64 online-session id, ``-1`` none; see :mod:`sglang_sparse.policy.chains`), ``kv``
   (list of opaque KV handles, the root's ``None``);
 * edge tokens: ``keys`` (int32, every edge's tokens concatenated in node order) and
   ``key_offsets`` (int64, length ``n + 1``, ``key_offsets[0] == 0``): node ``i``'s edge is
@@ -90,6 +91,7 @@ class TreeSnapshot:
     version: np.ndarray | None = None
     plan_fresh: np.ndarray | None = None
     seq_end: np.ndarray | None = None
+    chain: np.ndarray | None = None
     ckpt_node: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
     ckpt_pos: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
     ckpt_access: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
@@ -158,6 +160,7 @@ class TreeSnapshotBuilder:
         self._plan: list[tuple[int, ...]] = [()]
         self._fresh = [False]
         self._seq_end = [False]
+        self._chain = [-1]
         self._hist: list[tuple[int, DepthHistogram]] = []
         self._ck: list[tuple[int, int, int, Any]] = []
 
@@ -176,12 +179,13 @@ class TreeSnapshotBuilder:
         plan: tuple[int, ...] = (),
         plan_fresh: bool = False,
         seq_end: bool = False,
+        chain: int = -1,
     ) -> int:
         """Append a child of node index ``parent`` with edge ``tokens``; return its index.
 
         Optional policy state: ``hist`` (the edge's depth histogram, copied; ``None`` = no
         observation yet), ``plan`` (absolute depths of its current placement plan) and
-        ``plan_fresh`` and ``seq_end`` (see :class:`~sglang_sparse.tree.node.Node`)."""
+        ``plan_fresh``, ``seq_end`` and ``chain`` (see :class:`~sglang_sparse.tree.node.Node`)."""
         if not 0 <= parent < len(self._parent):
             raise SnapshotError(f"parent index {parent} is not an earlier node (have {len(self._parent)})")
         key = np.asarray(tokens, dtype=np.int32).reshape(-1)
@@ -202,6 +206,7 @@ class TreeSnapshotBuilder:
         self._plan.append(tuple(int(p) for p in plan))
         self._fresh.append(bool(plan_fresh))
         self._seq_end.append(bool(seq_end))
+        self._chain.append(int(chain))
         if hist is not None:
             self._hist.append((i, hist))
         acc = ckpt_access or {}
@@ -225,6 +230,7 @@ class TreeSnapshotBuilder:
             version=np.zeros(len(self._parent), dtype=_I64),
             plan_fresh=np.asarray(self._fresh, dtype=np.bool_),
             seq_end=np.asarray(self._seq_end, dtype=np.bool_),
+            chain=_i64(self._chain),
             plan_offsets=plan_offs,
             plan_pos=_i64([p for pl in self._plan for p in pl]),
             hist_node=_i64([i for i, _ in self._hist]),
@@ -323,6 +329,7 @@ def tree_to_snapshot(tree: RadixTree) -> TreeSnapshot:
         version=np.fromiter((n.version for n in order), dtype=_I64, count=nn),
         plan_fresh=np.fromiter((n.plan_fresh for n in order), dtype=np.bool_, count=nn),
         seq_end=np.fromiter((n.seq_end for n in order), dtype=np.bool_, count=nn),
+        chain=np.fromiter((n.chain for n in order), dtype=_I64, count=nn),
         ckpt_node=_i64(ck_node),
         ckpt_pos=_i64(ck_pos),
         ckpt_access=_i64(ck_acc),
@@ -351,7 +358,7 @@ def _validate(s: TreeSnapshot) -> None:
     for name in ("start", "uid", "last_access", "lock_ref"):
         if len(getattr(s, name)) != n:
             raise SnapshotError(f"{name} has {len(getattr(s, name))} entries, expected {n} (one per node)")
-    for name in ("version", "plan_fresh", "seq_end"):
+    for name in ("version", "plan_fresh", "seq_end", "chain"):
         a = getattr(s, name)
         if a is not None and len(a) != n:
             raise SnapshotError(f"{name} has {len(a)} entries, expected {n} (one per node)")
@@ -460,6 +467,7 @@ def tree_from_snapshot(
     version = snap.version.tolist() if snap.version is not None else [0] * n
     fresh = snap.plan_fresh.tolist() if snap.plan_fresh is not None else [False] * n
     seq_end = snap.seq_end.tolist() if snap.seq_end is not None else [False] * n
+    chain = snap.chain.tolist() if snap.chain is not None else [-1] * n
     kv = snap.kv
     root = tree.root
     root.uid, root.last_access, root.lock_ref, root.version = uid[0], last[0], lock[0], version[0]
@@ -473,6 +481,7 @@ def tree_from_snapshot(
         node.version = version[i]
         node.plan_fresh = fresh[i]
         node.seq_end = seq_end[i]
+        node.chain = chain[i]
         par.children[key.item(0)] = node
         nodes.append(node)
         kv_tokens += offs[i + 1] - offs[i]
