@@ -71,7 +71,7 @@ def run(model_dir: Path, chunk: int, strategy: str, extra: list[str]) -> dict:
     ).start(timeout=300)
     try:
         res = [srv.generate(p, 2) for p in requests_rr()]
-        stats = srv.sparse_stats() if extra else None
+        stats = srv.sparse_stats() if "--radix-cache-backend" in extra else None
     finally:
         srv.stop()
     cached = [r.cached_tokens for r in res]

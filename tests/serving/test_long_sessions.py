@@ -86,3 +86,38 @@ def test_long_and_interleaved_sessions_default_options(model_dir: Path) -> None:
         gen = lambda p, n: ref.generate(p, n)  # noqa: E731
         assert mismatches(chain, gen, sample_turns(TURNS, head=4, every=75), [0]) == []
         assert mismatches(inter, gen, sample_turns(60, head=2, every=30), [0, 3]) == []
+
+
+def test_300_turn_session_on_extra_buffer(model_dir: Path) -> None:
+    """The same 300-turn chain on SGLang's fast path (extra_buffer, overlap schedule on, page 16):
+    every turn whose previous sequence crosses a state-grid point resumes from its grid-floored
+    finish state (a decode-time snapshot), the mirror never drifts, nothing leaks at idle, and the
+    sampled turns equal no cache."""
+    from sglang_sparse.testing.server import strategy_setup
+
+    base, env = strategy_setup("extra_buffer")
+    srv = SGLangServer(
+        model_dir,
+        extra_args=["--chunked-prefill-size", "256", "--page-size", "16", "--radix-cache-backend", "sparse"],
+        env={**env, "SGLANG_SPARSE_TUNE_WINDOW": "50", "SGLANG_SPARSE_CHECK_INVARIANTS": "1"},
+        base_args=base,
+        context_length=CONTEXT,
+        max_total_tokens=KV_TOKENS,
+        max_mamba_cache_size=STATE_SLOTS,
+    ).start(timeout=300)
+    with srv:
+        chain = run_sessions(lambda p, n: srv.generate(p, n), sessions=1, turns=TURNS, seed=1)
+        assert srv.alive(), srv.log_tail()
+        s = srv.wait_sparse_idle()
+    cached, prompts = chain.cached[0], chain.prompts[0]
+    # the previous sequence (prompt + output) reaches 64 tokens after a few turns; from then on
+    # every turn resumes within one grid step (64) of the previous sequence's end
+    late = [k for k in range(1, TURNS) if len(prompts[k - 1]) + 2 >= 128]
+    assert late and all(cached[k] >= len(prompts[k - 1]) + 2 - 64 - 1 for k in late), cached[:40]
+    assert sum(cached[1:]) >= 0.9 * sum(len(p) for p in prompts[1:])
+    assert s["invariant_violations"] == 0 and s["mirror_errors"] == 0, s
+    assert s["kv_protected"] == 0 and s["mamba_protected"] == 0, s
+    assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
+    with _server(model_dir, ["--disable-radix-cache"]) as ref:
+        gen = lambda p, n: ref.generate(p, n)  # noqa: E731
+        assert mismatches(chain, gen, sample_turns(TURNS, head=4, every=75), [0]) == []

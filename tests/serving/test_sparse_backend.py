@@ -191,6 +191,14 @@ def test_sparse_reuses_prefixes(results) -> None:
         results["native"]["session_cached"],
     )
     assert sum(r["cached"]) > 0
+    # On every request of every pattern, sparse reuses at least what the native cache reuses.
+    nat = results["native"]
+    for mine, theirs in (
+        (r["cached"], nat["cached"]),
+        (r["session_cached"], nat["session_cached"]),
+        (r["overlap_cached"], nat["overlap_cached"]),
+    ):
+        assert all(a >= b for a, b in zip(mine, theirs, strict=True)), (mine, theirs)
     # Multi-turn: the finish state of turn k is the resume point of turn k+1.
     assert r["session_cached"][1] > 0 and r["session_cached"][2] > r["session_cached"][1], r["session_cached"]
     s = r["stats"]
