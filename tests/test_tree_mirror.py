@@ -16,7 +16,7 @@ from sglang_sparse.sglang_adapter.config import SparseConfig
 from sglang_sparse.sglang_adapter.tree_policy import TreePolicy
 from sglang_sparse.sim import cost_model
 from sglang_sparse.testing.mini_engine import MiniEngine
-from sglang_sparse.tree import MirrorError, MirrorTree
+from sglang_sparse.tree import MirrorError, MirrorTree, RadixTree
 
 KV_B, STATE_B = 10, 500
 
@@ -207,9 +207,22 @@ def test_admission_decides_every_offered_state_and_probation_goes_first() -> Non
     pol.plan("b", len(q), 2, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
     assert not pol.is_speculative(state.id) and pol.stats.probation_hits == 1
     assert pol.mirror.num_states == 2 and next(pol.eviction_order()) == old.id
-    # An unplanned chunk end: on probation (the engine computed it anyway) ...
-    unplanned = next(q for q in range(64, len(doc), 64) if q not in plan.positions)
-    assert pol.admit("a", unplanned, finished=False, free_slots=0) and pol._probation_next
+    # An unplanned chunk end the engine computed anyway: a spare state while a slot is free (or an
+    # older spare state can make room), evicted before even the first-sight probation states ...
+    unplanned = next(q for q in range(64, len(doc), 64) if q not in plan.positions and q != first)
+    assert not pol.admit("a", unplanned, finished=False, free_slots=0)  # no room, no older spare
+    assert pol.admit("a", unplanned, finished=False, free_slots=1)
+    spare = eng.insert(doc[:unplanned])
+    pol.end_checkpoint()
+    assert pol.is_speculative(spare.id) and pol.stats.ckpt_spare == 1
+    second = max(plan.probation - {first}, default=None)
+    if second is not None and second not in (unplanned,) and second < len(doc):
+        assert pol.admit("a", second, finished=False, free_slots=0)
+        guess = eng.insert(doc[:second])
+        pol.end_checkpoint()
+        order = list(pol.eviction_order())
+        assert order.index(spare.id) < order.index(guess.id) < order.index(old.id), order
+    assert pol.admit("a", unplanned + 1, finished=False, free_slots=0)  # an older spare makes room
     pol.end_checkpoint()
     # ... rejected with probation off, whatever the free slots; no first-sight positions either.
     off = _policy("sparse", probation=0)
@@ -241,3 +254,24 @@ def test_alpha_tuned_once_by_default() -> None:
     s = pol.stats
     assert s.tune_runs == 1 and len(s.alpha_tunes) == 1 and s.tune_failures == 0, s
     assert s.tune_windows <= 2 and exports <= 2, (s.tune_windows, exports)  # the apply lags a quarter window
+
+
+def test_structural_edge_ends_are_not_planned() -> None:
+    """SGLang's tree keeps a node boundary at every state it ever inserted. Requests passing such a
+    single-child boundary count at its end, so the per-edge DP plans it; the mirror skips that end
+    unless it is a branch point or a sequence end (else every old chunk-end state position would
+    come back as a planned state, and the state pool churns with the chunk size)."""
+    t = MirrorTree(KV_B, STATE_B, root_id=0)
+    t.add_node(1, 0, 256, 11)  # (0, 256]: a boundary left by an old chunk-end state
+    t.add_node(2, 1, 344, 12)  # (256, 600]
+    a = t.node(1)
+    a.plan, t.node(2).plan = (256,), (448,)
+    m = t.match_result(2, 500, 0)
+    assert t.planned_captures(m) == [448]  # 256 is structural: skipped
+    # the simulator's tree plans edge ends (its edges end only at branches and sequence ends)
+    assert RadixTree.planned_captures(t, m) == [256, 448]
+    a.seq_end = True  # a sequence ended at 256: a real stopping point
+    assert t.planned_captures(m) == [256, 448]
+    a.seq_end = False
+    t.add_node(3, 1, 100, 13)  # a second child: 256 is a branch point
+    assert t.planned_captures(t.match_result(2, 500, 0)) == [256, 448]

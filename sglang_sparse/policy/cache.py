@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_sparse.placement import DEFAULT_GRID
@@ -34,6 +34,7 @@ from .admission import capture_positions
 from .chains import ChainTracker
 from .cost_model import ModelCostModel
 from .eviction import Evictor
+from .eviction_index import PROBATION
 from .probation import DEFAULT_PROBATION_BUDGET, ProbationPlanner
 from .registry import PolicySpec, get_policy
 from .tail_prior import TailPrior
@@ -74,7 +75,7 @@ class CacheSnapshot:
     min_cut_gain: int = 0
     tail: TailPrior | None = None
     fit_tokens: int | None = None
-    probation: frozenset[Any] = frozenset()
+    probation: Mapping[Any, int] = field(default_factory=dict)
     prober: ProbationPlanner | None = None
     chains: ChainTracker | None = None
 
@@ -152,8 +153,9 @@ class HybridCache:
         )
         #: KV tokens one state's bytes would hold (room a fit state leaves per extra state)
         self._state_tokens = -(-state_bytes // kv_bytes_per_token) if kv_bytes_per_token else 0
-        #: state handles on probation (``sparse`` admission only; see :mod:`.probation`)
-        self.probation: set[Any] = set()
+        #: state handles on probation -> tier (``PROBATION``: a plan's first-sight guess, ``SPARE``:
+        #: an engine-offered state no plan asked for; ``sparse`` admission only, see :mod:`.probation`)
+        self.probation: dict[Any, int] = {}
         self.prober = ProbationPlanner(gamma, grid=grid, budget=probation_budget)
         #: online sessions (chains of leaves continued from their end; see :mod:`.chains`), tracked
         #: for every policy, used by eviction when ``spec.eviction.chain_recency``
@@ -184,7 +186,7 @@ class HybridCache:
             min_cut_gain=self.min_cut_gain,
             tail=copy.deepcopy(self.tail),
             fit_tokens=self.fit_tokens,
-            probation=frozenset(self.probation),
+            probation=dict(self.probation),
             prober=copy.deepcopy(self.prober),
             chains=copy.deepcopy(self.chains),
         )
@@ -294,7 +296,7 @@ class HybridCache:
         h = match.ckpt_handle
         if h is None or h not in self.probation:
             return False
-        self.probation.discard(h)
+        del self.probation[h]
         self.evictor.touch(match.ckpt_node)
         return True
 
@@ -377,7 +379,7 @@ class HybridCache:
             for p in probation:
                 h = checkpoints.get(p)
                 if h is not None and h not in unused:
-                    self.probation.add(h)
+                    self.probation[h] = PROBATION
         return res
 
     def lock(self, node: Node) -> None:
@@ -399,5 +401,6 @@ class HybridCache:
     def forget(self, freed: Freed) -> Freed:
         """Drop freed state handles from the probation set; returns ``freed``."""
         if self.probation and freed.states:
-            self.probation.difference_update(freed.states)
+            for h in freed.states:
+                self.probation.pop(h, None)
         return freed

@@ -75,7 +75,7 @@ round starting now would use.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Container
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -154,7 +154,7 @@ class CandidateTerms:
         cost: ModelCostModel | None,
         alpha: float = 0.0,
         capacity_bytes: int | None = None,
-        probation: Container[Any] = frozenset(),
+        probation: Mapping[Any, int] | None = None,
         chains: ChainTracker | None = None,
     ):
         if alpha < 0:
@@ -165,11 +165,14 @@ class CandidateTerms:
         #: cache capacity (bytes); with ``config.drop_unservable`` a checkpoint at depth ``p`` whose
         #: path needs more (``p * kv_bytes_per_token + state_bytes > capacity_bytes``) is evicted first
         self.capacity_bytes = capacity_bytes
-        #: state handles on probation (shared with the owner, e.g. :class:`~.cache.HybridCache`,
-        #: which adds and removes them): a candidate all of whose states are on probation is evicted
-        #: before every servable one, oldest first (key ``PROBATION_KEY + recency``). The owner must
-        #: :meth:`Evictor.touch` a node whose handles enter or leave it other than by an insert.
-        self.probation = probation
+        #: state handles on probation -> their tier (shared with the owner, e.g.
+        #: :class:`~.cache.HybridCache`, which adds and removes them): :data:`PROBATION` (a plan's
+        #: first-sight guess) or :data:`SPARE` (a state the engine offered that no plan asked for).
+        #: A candidate all of whose states are on probation is evicted before every servable one,
+        #: spare ones first, oldest first (key ``SPARE_KEY`` / ``PROBATION_KEY + recency``). The
+        #: owner must :meth:`Evictor.touch` a node whose handles enter or leave it other than by an
+        #: insert.
+        self.probation: Mapping[Any, int] = {} if probation is None else probation
         #: online sessions (shared with the owner): with ``config.chain_recency`` a candidate on a
         #: chain takes its recency from the chain's due tick (:func:`~.eviction_index.effective_recency`)
         self.chains = chains
@@ -274,12 +277,15 @@ class CandidateTerms:
         due, continued, prov = self._chain_terms(node)
         sup = due is not None and (continued or not deepest)
         dead = self._unservable(pos)
-        return float(rec), val / nbytes, nbytes, dead, ck[pos] in self.probation, due, sup, prov
+        return float(rec), val / nbytes, nbytes, dead, self.probation.get(ck[pos], 0), due, sup, prov
 
-    def _all_probation(self, node: Node) -> bool:
-        """Whether ``node`` holds checkpoints and all of them are on probation."""
+    def _all_probation(self, node: Node) -> int:
+        """The lowest probation tier of ``node``'s checkpoints (0 if it has none, or a normal one):
+        a candidate holding several states is only as evictable as its most valuable one."""
         prob = self.probation
-        return bool(node.checkpoints) and all(h in prob for h in node.checkpoints.values())
+        if not node.checkpoints:
+            return 0
+        return min(prob.get(h, 0) for h in node.checkpoints.values())
 
     def evict(self, target_bytes: int) -> Freed:
         """Evict until ``tree.bytes_used <= target_bytes`` or nothing evictable remains."""

@@ -67,7 +67,7 @@ apply the reference's float operations elementwise (IEEE-exact in numpy, no fuse
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -101,7 +101,7 @@ class _Info:
         self.slots: list[int] = []  # column rows of this node's candidates
 
 
-def _signature(node: Node, probation: Container[Any], chain: tuple[float | None, bool]) -> tuple:
+def _signature(node: Node, probation: Mapping[Any, int], chain: tuple[float | None, bool]) -> tuple:
     """Everything a node's rows depend on besides ``last_access``, its inherited fallback and its
     depth histogram: identity/edge (``version``), children count, lock, liveness, checkpoints,
     their clocks, which of them are on probation (a handful per node) and its chain terms
@@ -114,15 +114,20 @@ def _signature(node: Node, probation: Container[Any], chain: tuple[float | None,
         node.alive,
         tuple(items),
         tuple(node.ckpt_access.items()),
-        tuple(h in probation for _, h in items),
+        tuple(probation.get(h, 0) for _, h in items),
         chain,
     )
 
 
+#: Probation tiers (values of ``Evictor.probation``): a plan's first-sight guess, and a state the
+#: engine offered that no plan asked for (kept because it cost nothing; goes before the guesses).
+PROBATION, SPARE = 1, 2
 #: Heap key of a probation candidate: ``PROBATION_KEY + recency`` (finite, below every servable
 #: candidate's score, which is >= 0 in both score forms, and above an unservable one's ``-inf``), so
-#: probation states go first, oldest first. Ticks stay exact up to 2**52 - 1e15 (~3.5e15).
+#: probation states go first, oldest first; spare ones before them (``SPARE_KEY + recency``). Ticks
+#: stay exact up to 2**52 - 2e15 (~2.5e15).
 PROBATION_KEY = -1e15
+SPARE_KEY = -2e15
 
 
 class ChainClock(NamedTuple):
@@ -227,7 +232,7 @@ def candidate_score(c: Terms, k: Constants, alpha: float, decayed: bool) -> floa
     if c[3]:
         return -math.inf
     if c[4]:
-        return PROBATION_KEY + c[0]
+        return (SPARE_KEY if c[4] == SPARE else PROBATION_KEY) + c[0]
     rmin, rspan, vmin, vspan, clock = k
     r = (effective_recency(c[0], c[5], c[6], c[7], clock) - rmin) / rspan
     if decayed:
@@ -241,7 +246,8 @@ class CandidateIndex:
     Invariant after :meth:`sync`: rows ``0 .. n-1`` are exactly the candidates of
     ``Evictor.candidates()`` for which ``Evictor._candidate`` is not ``None``, one row each, with
     ``rec`` = recency (logical clock, as float), ``val`` = efficiency (FLOPs per byte; 0.0 while
-    values are off), ``dead`` = unservable, ``prob`` = every state it holds is on probation,
+    values are off), ``dead`` = unservable, ``prob`` = the lowest probation tier of the states it
+    holds (0: one is a normal state),
     ``chn`` = on an online session and ``due`` its due tick (0.0 off a session), ``sup`` =
     superseded, ``prv`` = provisional (a sequence-end leaf no session holds),
     ``uid``/``pos``/``kind`` the tie-break keys and
@@ -263,7 +269,7 @@ class CandidateIndex:
         self.rec = np.empty(cap, dtype=np.float64)
         self.val = np.empty(cap, dtype=np.float64)
         self.dead = np.empty(cap, dtype=np.bool_)
-        self.prob = np.empty(cap, dtype=np.bool_)
+        self.prob = np.empty(cap, dtype=np.int8)
         self.chn = np.empty(cap, dtype=np.bool_)
         self.due = np.empty(cap, dtype=np.float64)
         self.sup = np.empty(cap, dtype=np.bool_)
@@ -301,7 +307,7 @@ class CandidateIndex:
         r: float,
         v: float,
         d: bool,
-        pb: bool,
+        pb: int,
         due: float | None = None,
         sup: bool = False,
         prv: bool = False,
@@ -413,8 +419,8 @@ class CandidateIndex:
                 else []
             )
             prob = ev.probation
-            on_probation = [h in prob for h in ck.values()] if prob else [False] * len(keys)
-            all_prob = bool(keys) and all(on_probation)
+            on_probation = [prob.get(h, 0) for h in ck.values()] if prob else [0] * len(keys)
+            all_prob = min(on_probation) if keys else 0
             due, continued, prv = chain
             if not children:
                 nbytes = tree.node_bytes(node)
@@ -699,7 +705,8 @@ class CandidateIndex:
         np.copyto(key, score)
         prob = self.prob[:n]
         if prob.any():
-            np.copyto(key, self.rec[:n] + PROBATION_KEY, where=prob)
+            np.copyto(key, self.rec[:n] + PROBATION_KEY, where=prob == PROBATION)
+            np.copyto(key, self.rec[:n] + SPARE_KEY, where=prob == SPARE)
         if dead.any():
             np.putmask(key, dead, -np.inf)
         return score, key, consts
@@ -753,7 +760,7 @@ class CandidateIndex:
                 float(self.rec[i]),
                 float(self.val[i]),
                 bool(self.dead[i]),
-                bool(self.prob[i]),
+                int(self.prob[i]),
                 float(self.due[i]) if self.chn[i] else None,
                 bool(self.sup[i]),
                 bool(self.prv[i]),

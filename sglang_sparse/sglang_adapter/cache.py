@@ -572,8 +572,9 @@ class SparseRadixCache(UnifiedRadixCache):
             f"policy={d['policy']} alpha={d['alpha']:g} finished={d['finished']} "
             f"hits={d['hit_requests']}/{d['requests']} "
             f"resume/kv/input tokens={d['resume_tokens']}/{d['kv_hit_tokens']}/{d['input_tokens']} "
-            f"cuts={d['cuts_applied']} ckpt kept/rejected/final={d['ckpt_admitted']}/{d['ckpt_rejected']}/"
-            f"{d['ckpt_final']} states held={d['states_held']}/{d['mamba_pool_size']} "
+            f"cuts={d['cuts_applied']} ckpt kept/probation/spare/rejected/final={d['ckpt_admitted']}/"
+            f"{d['ckpt_probation']}/{d['ckpt_spare']}/{d['ckpt_rejected']}/{d['ckpt_final']} "
+            f"probation hits={d['probation_hits']} states held={d['states_held']}/{d['mamba_pool_size']} "
             f"kv held={d['kv_tokens_held']} bytes={d['bytes_held']} "
             f"evicted states={d['states_evicted']} kv leaves={d['kv_leaves_evicted']}"
             + (f" MIRROR ERRORS={d['mirror_errors']}" if d["mirror_errors"] else "")

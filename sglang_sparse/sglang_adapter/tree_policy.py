@@ -43,6 +43,7 @@ import numpy as np
 
 from sglang_sparse.placement import DEFAULT_GRID
 from sglang_sparse.policy import AlphaTuner, CacheSnapshot, HybridCache, ModelCostModel, get_policy
+from sglang_sparse.policy.eviction_index import PROBATION, SPARE
 from sglang_sparse.sim.replay_worker import ReplayWorker
 from sglang_sparse.tree import MirrorError, MirrorTree, Node, TreeSnapshotBuilder
 
@@ -87,7 +88,9 @@ class PolicyStats:
     ckpt_final: int = 0
     #: offered states kept on probation (first-sight positions, an unplanned finish; evicted first)
     ckpt_probation: int = 0
-    #: requests that resumed from a probation state (which then became a normal one)
+    #: engine-offered states no plan asked for, kept as spare (a free slot; evicted first of all)
+    ckpt_spare: int = 0
+    #: requests that resumed from a probation or spare state (which then became a normal one)
     probation_hits: int = 0
     states_inserted: int = 0
     states_evicted: int = 0
@@ -191,8 +194,8 @@ class TreePolicy:
         #: (apply at finished count, scores future, window end, alpha in use when it started)
         self._pending_tune: tuple[int, Future, int, float | None] | None = None
         self._rounds = 0  # eviction rounds computed (a walk's frozen keys stay valid while unchanged)
-        #: the next state SGLang attaches goes on probation (:meth:`admit` said so)
-        self._probation_next = False
+        #: the probation tier of the next state SGLang attaches (:meth:`admit` said so; 0: none)
+        self._probation_next = 0
 
     @property
     def alpha(self) -> float:
@@ -223,18 +226,18 @@ class TreePolicy:
 
     def on_leaf_removed(self, node_id: int) -> None:
         self.stats.kv_leaves_evicted += 1
-        self.cache.probation.discard(node_id)
+        self.cache.probation.pop(node_id, None)
         self._guard("remove", self.mirror.remove_leaf, node_id)
 
     def on_state_set(self, node_id: int) -> None:
         if self._guard("state", self.mirror.set_state, node_id):
             self.stats.states_inserted += 1
             if self._probation_next:
-                self.cache.probation.add(node_id)
-        self._probation_next = False
+                self.cache.probation[node_id] = self._probation_next
+        self._probation_next = 0
 
     def on_state_freed(self, node_id: int) -> None:
-        self.cache.probation.discard(node_id)
+        self.cache.probation.pop(node_id, None)
         if self.mirror.drop_state(node_id):
             self.stats.states_evicted += 1
 
@@ -323,19 +326,18 @@ class TreePolicy:
         every state, whatever the engine offers it for (chunk end, prompt end, finish, capture):
 
         * a request without a plan (not admitted through our adder) keeps SGLang's behaviour;
-        * a planned position: kept; a position the plan keeps on probation: kept on probation (the
-          next state attached, :meth:`on_state_set`, is evicted before every other state until a
-          request resumes from it);
+        * a planned position: kept; a position the plan keeps on probation (a first-sight guess):
+          kept on probation (the next state attached, :meth:`on_state_set`, is evicted before every
+          normal state until a request resumes from it);
         * the finish (the engine ends the sequence wherever it stops, at most ``total_len``): kept
           if the plan wants a state past the prompt, on probation if only a probation one;
         * anything else (an unplanned chunk end or prompt end, which the engine computed anyway):
-          kept on probation while probation is on (``SGLANG_SPARSE_PROBATION`` > 0), else rejected.
-          Probation states go before every other state, so the planned states a request keeps,
-          and their fate under eviction, do not depend on the chunk size.
-
-        ``free_slots`` is unused (kept for callers; admission no longer depends on pool room)."""
-        del free_slots
-        self._probation_next = False
+          a *spare* state, kept (lower still than probation) only while probation is on
+          (``SGLANG_SPARSE_PROBATION`` > 0) and it takes a free slot (``free_slots`` > 0, before
+          this one is allocated) or an older spare state's; else rejected. So however many chunk
+          ends the chunk size makes, they never displace a planned or first-sight state, and the
+          states a request keeps beyond them do not depend on the chunk size."""
+        self._probation_next = 0
         p = self._plans.get(rid)
         if p is None:
             self.stats.ckpt_final += int(finished)
@@ -348,22 +350,26 @@ class TreePolicy:
                 return False
             self.stats.ckpt_final += 1
             if all(q in p.probation for q in past):
-                self._probation_next = True
+                self._probation_next = PROBATION
                 self.stats.ckpt_probation += 1
             return True
-        if position in p.positions and position not in p.probation:
-            self.stats.ckpt_admitted += 1
+        if position in p.positions:
+            if position in p.probation:
+                self._probation_next = PROBATION
+                self.stats.ckpt_probation += 1
+            else:
+                self.stats.ckpt_admitted += 1
             return True
-        if position in p.probation or self.config.probation > 0:
-            self._probation_next = True
-            self.stats.ckpt_probation += 1
+        if self.config.probation > 0 and (free_slots > 0 or SPARE in self.cache.probation.values()):
+            self._probation_next = SPARE
+            self.stats.ckpt_spare += 1
             return True
         self.stats.ckpt_rejected += 1
         return False
 
     def end_checkpoint(self) -> None:
         """The engine finished one checkpoint (whether or not a state was attached)."""
-        self._probation_next = False
+        self._probation_next = 0
 
     def is_speculative(self, node_id: int) -> bool:
         """Whether the state at ``node_id`` is on probation (evicted before every other state)."""
@@ -586,6 +592,8 @@ class TreePolicy:
             tail=copy.deepcopy(self.cache.tail),
             fit_tokens=self.fit_tokens,
             chains=copy.deepcopy(self.cache.chains),
+            probation=dict(self.cache.probation),
+            prober=copy.deepcopy(self.cache.prober),
         )
 
     # ------------------------------------------------------------------ stats

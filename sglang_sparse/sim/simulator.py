@@ -291,5 +291,9 @@ def warm_replay_score(
     else:  # a cache, or any object whose deep copy is one (the SGLang adapter's engine snapshot)
         cache = copy.deepcopy(snapshot)
     cache.alpha = alpha
-    ids = itertools.count(1)
+    # New states get handles above every handle the snapshot holds (an engine's handles, e.g.
+    # SGLang node ids, may be any ints), so a new state is never mistaken for a probation one.
+    held = [h for _, _, h in cache.tree.iter_checkpoints() if isinstance(h, int)]
+    held += [h for h in cache.probation if isinstance(h, int)]
+    ids = itertools.count(max(held, default=0) + 1)
     return float(sum(_serve(cache, inp, full, cost, ids)[2] for inp, full in window))
