@@ -259,6 +259,31 @@ def test_gap_state_kinds() -> None:
         "mid",
     ]
     assert cat.key(0, 300) == cat.key(2, 300) != cat.key(0, 307)
+    # b diverges from a at 307 (first there), c from a/b at 300: first at 300, but within one grid
+    # step of 300 only b's 307 was seen before it
+    assert list(cat.divergence_depths()) == [0, 307, 300]
+    assert not cat.seen_before(1, cat.key(1, 300)) and cat.seen_before(2, cat.key(2, 256))
+    assert cat.seen_before(2, cat.key(2, 300)) and not cat.seen_before(2, cat.key(2, 240))
+
+
+def test_gap_first_divergence_is_what_no_online_policy_saw() -> None:
+    """Two requests on a new document: the second's hit at the document end is a first divergence
+    (nothing before it diverged there); a third request diverging at the same depth is not."""
+    from sglang_sparse.sim.gap import StateCatalog, StateLedger, compare
+
+    doc = _text(1000, 640)
+    reqs = [SimRequest(f"q{i}", 0, doc + _text(20_000 + 100 * i, 30), (7,)) for i in range(3)]
+    cat = StateCatalog(reqs)
+    size = cat.inf.kv_tokens * KVB + 10 * SB  # everything fits
+    runs = []
+    for pol in ("offline", "lru"):
+        led = StateLedger(cat)
+        runs.append((simulate(reqs, pol, size, CM, observer=led), led))
+    g = compare(reqs, runs[0], runs[1], catalog=cat)
+    assert runs[0][0].records[1].resume_depth == 640  # offline: a state at the document end
+    lost = g["lost"]["branch"]
+    assert lost.get("first divergence", 0) >= 640 - runs[1][0].records[1].resume_depth > 0, g["lost"]
+    assert [cat.seen_before(j, cat.key(j, 640)) for j in (1, 2)] == [False, True]
 
 
 # ---------------------------------------------------------------------- knowledge ablations

@@ -15,8 +15,12 @@ State kinds, for a state at depth ``p`` captured by request ``k`` whose sequence
 Two policies' states are *the same state* when they sit at the same depth of the same prefix
 (:meth:`StateCatalog.key`). :func:`compare` then splits, request by request, the hit tokens the
 reference gets and the policy does not, by the kind of the reference's state and by why the policy
-did not resume there: ``evicted`` (it had captured that state and evicted it before the request),
-``not captured`` (it never held it), ``grid`` (it resumed fewer than ``grid`` tokens shallower).
+did not resume there: ``evicted`` (it had captured that state, or one fewer than ``grid`` tokens
+above it on the same prefix when ``catalog`` is given, and evicted it before the request),
+``first divergence`` (it never held it and no earlier request diverged there: only future
+knowledge, a prior or a hint could have placed it; :meth:`StateCatalog.seen_before`, needs the
+``catalog`` argument of :func:`compare`), ``not captured`` (it never held it although an earlier
+request had diverged there), ``grid`` (it resumed fewer than ``grid`` tokens shallower).
 
 Run ``python -m sglang_sparse.sim.gap --trace agent --fracs 0.2 0.3 0.5`` (tables on stdout,
 ``--out FILE`` for JSON; ``--ablations`` adds :mod:`.ablation`'s table: offline with part of the
@@ -85,6 +89,33 @@ class StateCatalog:
         b = self.branch_depths(k)
         i = int(np.searchsorted(b, p))  # the first branch depth >= p
         return "branch" if i < len(b) and b[i] < p + self.grid else "mid"
+
+    def divergence_depths(self) -> np.ndarray:
+        """Per request ``j``: the longest prefix its input shares with any earlier request's
+        sequence (input + output), i.e. where it diverges from everything seen before (tokens)."""
+        got = getattr(self, "_divergence", None)
+        if got is None:
+            seen = RadixTree(0, 1, plan_budget=0)
+            got = np.zeros(len(self.prepared), dtype=np.int64)
+            for j, (inp, full) in enumerate(self.prepared):
+                got[j] = seen.match(inp).kv_depth if len(inp) else 0
+                if len(full):
+                    seen.insert(full)
+            self._divergence = got
+        return got
+
+    def seen_before(self, j: int, key: tuple[int, int]) -> bool:
+        """Whether a request before ``j`` diverged within one grid step below the state ``key``
+        (same prefix, depth in ``[p, p + grid)``): an online policy had observed that divergence
+        before request ``j`` and could have planned the state; otherwise request ``j`` is the
+        first to diverge there and only a prior (probation) or a hint could have placed it."""
+        p = key[1]
+        div = self.divergence_depths()
+        for i in range(j):
+            d = int(div[i])
+            if p <= d < p + self.grid and self.key(i, p) == key:
+                return True
+        return False
 
     def key(self, k: int, p: int) -> tuple[int, int]:
         """Identity of the state at depth ``p`` of request ``k``'s sequence: ``(uid of the node of
@@ -204,6 +235,7 @@ def compare(
     ref: tuple[SimResult, StateLedger],
     pol: tuple[SimResult, StateLedger],
     grid: int = 64,
+    catalog: StateCatalog | None = None,
 ) -> dict:
     """Request by request, the hit tokens of ``ref`` (e.g. offline) vs ``pol`` (e.g. sparse), both
     replayed with records and a :class:`StateLedger` (module docstring). Returns a JSON-able dict:
@@ -213,8 +245,10 @@ def compare(
     resumed state)."""
     (rr, rl), (pr, pl) = ref, pol
     by_key: dict[tuple[int, int], list[StateRecord]] = defaultdict(list)
+    by_pos: dict[int, list[StateRecord]] = defaultdict(list)
     for st in pl.states.values():
         by_key[st.key].append(st)
+        by_pos[st.pos].append(st)
     lost: dict[str, Counter] = {k: Counter() for k in KINDS}
     lost_requests: dict[str, Counter] = {k: Counter() for k in KINDS}
     gained: Counter = Counter()
@@ -237,11 +271,23 @@ def compare(
             if b > 0 and a - b < grid:
                 reason = "grid"
             else:
+                # the policy's states at this state or fewer than ``grid`` tokens above it on the
+                # same prefix (a grid-floored copy of it)
                 earlier = [st for st in by_key.get(rs.key, ()) if st.captured < j]
+                if catalog is not None:
+                    for q in range(max(1, a - grid + 1), a):
+                        earlier += [
+                            st for st in by_pos.get(q, ()) if st.captured < j and st.key == catalog.key(j, q)
+                        ]
                 if any(st.evicted is None or st.evicted >= j for st in earlier):
                     reason = "held"  # cannot happen: a held state and its KV would serve j
                 else:
-                    reason = "evicted" if earlier else "not captured"
+                    if earlier:
+                        reason = "evicted"
+                    elif catalog is not None and not catalog.seen_before(j, rs.key):
+                        reason = "first divergence"
+                    else:
+                        reason = "not captured"
             lost[rs.kind][reason] += a - b
             lost_requests[rs.kind][reason] += 1
         elif b > a:
@@ -269,7 +315,7 @@ def _print(name: str, frac: float, g: dict, ref: str, pol: str) -> None:
     )
     print(
         f"{'kind':>7} {'hit ' + ref:>14} {'hit ' + pol:>14} {'lost: evicted':>14} "
-        f"{'not captured':>13} {'grid':>8} {'gained':>8}"
+        f"{'first div.':>11} {'not captured':>13} {'grid':>8} {'gained':>8}"
     )
     for k in KINDS:
         lo = g["lost"][k]
@@ -277,13 +323,14 @@ def _print(name: str, frac: float, g: dict, ref: str, pol: str) -> None:
             g["hit_by_kind"]["ref"].get(k, 0),
             g["hit_by_kind"]["pol"].get(k, 0),
             lo.get("evicted", 0),
+            lo.get("first divergence", 0),
             lo.get("not captured", 0),
             lo.get("grid", 0),
             g["gained"].get(k, 0),
         )
         print(
             f"{k:>7} "
-            + " ".join(f"{c / n_in:>{w}.3f}" for c, w in zip(cells, (14, 14, 14, 13, 8, 8), strict=True))
+            + " ".join(f"{c / n_in:>{w}.3f}" for c, w in zip(cells, (14, 14, 14, 11, 13, 8, 8), strict=True))
         )
     print("(fractions of all input tokens; lost = tokens the reference hits and the policy does not,")
     print(" by the kind of the reference's state; gained = the reverse, by the policy's state)")
@@ -337,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             led = StateLedger(cat)
             res = simulate(reqs, pol, size, cm, observer=led)
             runs.append((res, led))
-        g = compare(reqs, runs[0], runs[1], cat.grid)
+        g = compare(reqs, runs[0], runs[1], cat.grid, catalog=cat)
         _print(path.stem, frac, g, args.reference, args.policy)
         out["points"].append({"frac": frac, "cache_bytes": size, **g})
     if args.ablations:

@@ -94,7 +94,10 @@ def test_forward_capture_makes_no_cut_and_no_extra_forward(runs) -> None:
     assert s["captures_published"] == s["captures_reserved"] == s["captures_planned"], s
     assert s["captures_incomplete"] == 0 and s["captures_pending"] == 0, s
     assert runs["forward"]["forwards"] == runs["native"]["forwards"]
-    assert runs["cut"]["forwards"] == runs["native"]["forwards"] + c["cuts_applied"]
+    # Each cut costs one forward at most; a cut can land on a boundary the chunked prefill makes
+    # anyway, and the cut path's deeper hits can save a chunk elsewhere, so this is a bound.
+    native_forwards = runs["native"]["forwards"]
+    assert native_forwards < runs["cut"]["forwards"] <= native_forwards + c["cuts_applied"]
     assert_one_tree(s)
 
 
