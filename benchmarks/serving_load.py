@@ -628,6 +628,7 @@ def start_servers(
             f"error: {len(configs)} servers need ~{need:.0f} GB, {avail:.1f} GB available; "
             "pass fewer --configs"
         )
+
     def setup(c: str) -> tuple[list[str], dict[str, str]]:
         base, env = strategy_setup(CONFIGS[config_base(c)][2])
         return [a for a in base if a != "--skip-tokenizer-init"], env
