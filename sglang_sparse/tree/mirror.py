@@ -130,25 +130,16 @@ class MirrorTree(RadixTree):
 
     # ------------------------------------------------------------------ lookup
 
-    def planned_captures(self, match: MatchResult) -> list[int]:
-        """:meth:`RadixTree.planned_captures` without the ends of *structural* edges: an engine's
-        tree (SGLang's) splits an edge at every state it ever inserted, and keeps the boundary when
-        the state is evicted, so a chain of short single-child edges ends at old state positions.
-        Every request passing through such an edge counts at its end (pass-through mass), which the
-        per-edge DP always plans, so each old state position would come back as a planned state
-        (a chunk-size-dependent set: the pool churn of issue 20). An edge end that is neither a
-        branch point (several children) nor where a sequence ended (``seq_end``) is no divergence
-        point: it is skipped; positions inside edges, branch points and sequence ends are kept."""
-        out = []
-        lo, hi = match.resume_depth, match.kv_depth
-        for node in match.path:
-            if node.end <= lo:
-                continue
-            structural = len(node.children) == 1 and not node.seq_end
-            for p in node.plan:
-                if lo < p <= hi and p not in node.checkpoints and not (structural and p == node.end):
-                    out.append(p)
-        return out
+    def _plans_edge_end(self, node: Node) -> bool:
+        """No capture at the end of a *structural* edge (:meth:`RadixTree.planned_captures`): an
+        engine's tree (SGLang's) splits an edge at every state it ever inserted, and keeps the
+        boundary when the state is evicted, so a chain of short single-child edges ends at old state
+        positions. Every request passing through such an edge counts at its end (pass-through
+        mass), which the per-edge DP always plans, so each old state position would come back as a
+        planned state (a chunk-size-dependent set: the pool churn of issue 20). An edge end that is
+        neither a branch point (several children) nor where a sequence ended (``seq_end``) is no
+        divergence point; positions inside edges, branch points and sequence ends are kept."""
+        return len(node.children) != 1 or node.seq_end
 
     def node(self, node_id: int) -> Node:
         """The mirror node of engine node ``node_id`` (:class:`MirrorError` if unknown)."""

@@ -547,10 +547,16 @@ class RadixTree:
         for node in match.path:
             if node.end <= lo:
                 continue
+            skip = -1 if self._plans_edge_end(node) else node.end
             for p in node.plan:
-                if lo < p <= hi and p not in node.checkpoints:
+                if lo < p <= hi and p != skip and p not in node.checkpoints:
                     out.append(p)
         return out
+
+    def _plans_edge_end(self, node: Node) -> bool:
+        """Whether a plan position at ``node``'s edge end is captured (:meth:`planned_captures`):
+        always here, where an edge ends only at a branch point or a sequence end."""
+        return True
 
     # ------------------------------------------------------------------ locks
 

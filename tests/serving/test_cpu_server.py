@@ -10,22 +10,16 @@ server, greedy tokens and prefix reuse. Skips when torch/sglang/transformers or 
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
 import pytest
 
+from sglang_sparse.testing.stack import require_serving_stack
+
 pytestmark = pytest.mark.serving
 
-_MISSING = [
-    m for m in ("torch", "sglang", "transformers", "sgl_kernel") if importlib.util.find_spec(m) is None
-]
-if _MISSING:
-    pytest.skip(
-        f"serving stack not installed ({', '.join(_MISSING)} missing); run tools/setup_env.sh",
-        allow_module_level=True,
-    )
+require_serving_stack()
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
 from sglang_sparse.testing.server import (  # noqa: E402

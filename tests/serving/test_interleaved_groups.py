@@ -13,21 +13,16 @@ within 10% across the chunk sizes. About 7 minutes on 2 cores.
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
+from sglang_sparse.testing.stack import require_serving_stack
+
 pytestmark = pytest.mark.serving
 
-if any(importlib.util.find_spec(m) is None for m in ("torch", "sglang", "transformers", "sgl_kernel")):
-    pytest.skip("serving stack not installed; run tools/setup_env.sh", allow_module_level=True)
-if "sglang_sparse_cpu" not in {ep.name for ep in entry_points(group="sglang.srt.platforms")}:
-    pytest.skip(
-        "the sglang_sparse_cpu platform is not installed; run tools/setup_env.sh", allow_module_level=True
-    )
+require_serving_stack(cpu_platform=True)
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
 from sglang_sparse.testing.server import SGLangServer, strategy_setup  # noqa: E402

@@ -12,15 +12,15 @@ The full-size soak (2,000 turns; 20 x 300 interleaved turns) is ``python -m benc
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from sglang_sparse.testing.stack import require_serving_stack
+
 pytestmark = pytest.mark.serving
 
-if any(importlib.util.find_spec(m) is None for m in ("torch", "sglang", "transformers", "sgl_kernel")):
-    pytest.skip("serving stack not installed; run tools/setup_env.sh", allow_module_level=True)
+require_serving_stack()
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
 from sglang_sparse.testing.server import SGLangServer  # noqa: E402

@@ -4,7 +4,6 @@ hundred tokens per prompt, tiny pools. One subprocess (its own published ``Serve
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,14 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from sglang_sparse.testing.stack import require_serving_stack
+
 pytestmark = pytest.mark.serving
 
-_MISSING = [m for m in ("torch", "sglang", "transformers") if importlib.util.find_spec(m) is None]
-if _MISSING:
-    pytest.skip(
-        f"serving stack not installed ({', '.join(_MISSING)} missing); run tools/setup_env.sh",
-        allow_module_level=True,
-    )
+require_serving_stack(("torch", "sglang", "transformers"))
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ("native", "native_python", "sparse")

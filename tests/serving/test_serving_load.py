@@ -5,17 +5,17 @@ pass) and the spread/ratio bookkeeping. About 2 minutes on 2 cores (two server s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 from pathlib import Path
 
 import pytest
 
+from sglang_sparse.testing.stack import require_serving_stack
+
 pytestmark = pytest.mark.serving
 
-if any(importlib.util.find_spec(m) is None for m in ("torch", "sglang", "transformers", "sgl_kernel")):
-    pytest.skip("serving stack not installed; run tools/setup_env.sh", allow_module_level=True)
+require_serving_stack()
 
 from benchmarks import serving_load  # noqa: E402
 

@@ -9,22 +9,16 @@ Whole file: about 8 minutes on 2 cores.
 
 from __future__ import annotations
 
-import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from sglang_sparse.testing.stack import require_serving_stack
+
 pytestmark = pytest.mark.serving
 
-_MISSING = [
-    m for m in ("torch", "sglang", "transformers", "sgl_kernel") if importlib.util.find_spec(m) is None
-]
-if _MISSING:
-    pytest.skip(
-        f"serving stack not installed ({', '.join(_MISSING)} missing); run tools/setup_env.sh",
-        allow_module_level=True,
-    )
+require_serving_stack()
 
 
 def _entry_point_installed() -> bool:

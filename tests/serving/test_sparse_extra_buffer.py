@@ -22,30 +22,19 @@ About 8 minutes on 2 cores.
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sglang_sparse.testing.stack import require_serving_stack
+
 pytestmark = pytest.mark.serving
 
-_MISSING = [
-    m for m in ("torch", "sglang", "transformers", "sgl_kernel") if importlib.util.find_spec(m) is None
-]
-if _MISSING:
-    pytest.skip(
-        f"serving stack not installed ({', '.join(_MISSING)} missing); run tools/setup_env.sh",
-        allow_module_level=True,
-    )
-if "sglang_sparse_cpu" not in {ep.name for ep in entry_points(group="sglang.srt.platforms")}:
-    pytest.skip(
-        "the sglang_sparse_cpu platform is not installed; run tools/setup_env.sh", allow_module_level=True
-    )
+require_serving_stack(cpu_platform=True)
 
 import requests  # noqa: E402
 from test_sparse_backend import NEW, assert_one_tree, toks, workload  # noqa: E402
