@@ -130,19 +130,19 @@ def write_word_chat_template(path: str | Path) -> Path:
     return p
 
 
-def check_row(row: dict[str, Any]) -> dict[str, Any]:
+def check_row(row: dict[str, Any], allow_errors: bool = False) -> dict[str, Any]:
     """Raise ``RuntimeError`` when a client row cannot be a real measurement, else return it.
 
     Catches what the client reports as success: no completed request, failed requests (their
-    ``errors`` when ``--output-details`` was given), and TTFT 0 with empty generated texts (a
-    server started with ``--skip-tokenizer-init`` streams ids but no ``text``, which is what the
-    client times).
+    ``errors`` when ``--output-details`` was given; accepted with ``allow_errors``, for runs that
+    inject failures and count them), and TTFT 0 with empty generated texts (a server started with
+    ``--skip-tokenizer-init`` streams ids but no ``text``, which is what the client times).
     """
     completed = int(row.get("completed") or 0)
     if completed == 0:
         raise RuntimeError(f"bench client completed no request: {str(row.get('errors'))[:2000]}")
     errors = [e for e in row.get("errors") or [] if e]
-    if errors:
+    if errors and not allow_errors:
         raise RuntimeError(f"{len(errors)} request(s) failed, first: {errors[0][:2000]}")
     texts = row.get("generated_texts")
     if not row.get("median_ttft_ms") or (texts is not None and not any(texts)):
@@ -219,9 +219,11 @@ class ClientWorker:
             lines.put(line)
         lines.put(None)
 
-    def run(self, output_file: str | Path, timeout: float = 1800.0, **kwargs: Any) -> dict[str, Any]:
-        """Run one benchmark and return its checked result row; ``timeout`` in seconds (on
-        timeout the worker is killed and the next :meth:`run` starts a new one)."""
+    def run(
+        self, output_file: str | Path, timeout: float = 1800.0, allow_errors: bool = False, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Run one benchmark and return its checked result row (:func:`check_row`); ``timeout`` in
+        seconds (on timeout the worker is killed and the next :meth:`run` starts a new one)."""
         out = _fresh(output_file)
         args = client_command(output_file=out, **kwargs)[3:]
         proc = self._start()
@@ -246,7 +248,7 @@ class ClientWorker:
         if status["rc"] != 0 or not out.exists():
             tail = "".join(self._tail)[-3000:] + status.get("error", "")
             raise RuntimeError(f"bench client failed (rc={status['rc']}):\n{tail}")
-        return check_row(_read_row(out))
+        return check_row(_read_row(out), allow_errors)
 
     def close(self) -> None:
         """End the worker process (closing its stdin, then killing it if it lingers)."""

