@@ -17,14 +17,15 @@ CPU size exactly as in :mod:`benchmarks.serving_load`, all requests at once capp
 ``--max-concurrency`` in flight. Pools per worker are sized like ``serving_load`` (a fraction of the
 workload's unique-prefix footprint): each replica is a full server.
 
-Per run the JSON records the client's figures (req/s, TTFT mean/p50/p95, completed, errors), the
-prompt / cached / prefilled tokens summed from the per-request ``cached_tokens`` the client reports,
-and per worker the requests, prompt and cached tokens it served (deltas of SGLang's own Prometheus
-counters ``sglang:num_requests_total`` / ``prompt_tokens_total`` / ``cached_tokens_total``, workers
-run with ``--enable-metrics``), hence request balance (busiest worker's share) and per-worker hit
-rates. Repetitions are interleaved (every (configuration, policy) cell once per repetition, order
-rotated by the repetition); cells report the median and min-max spread, ratios are paired per
-repetition. Token equality: each run's generated texts against the ``nocache`` run of the same
+Per run the JSON records the client's figures (req/s, TTFT mean/p50/p95, completed, errors) and per
+worker the requests, prompt and cached tokens it served (deltas of SGLang's own Prometheus counters
+``sglang:num_requests_total`` / ``prompt_tokens_total`` / ``cached_tokens_total``, workers run with
+``--enable-metrics``), hence request balance (busiest worker's share) and per-worker hit rates. The
+run's prompt / cached / prefilled tokens are the sums of those counters (:func:`token_totals`;
+the client's per-request ``cached_tokens`` are kept as ``client_*``: through the router they read
+0 on the chat endpoint). Repetitions are interleaved (every (configuration, policy) cell once
+per repetition, order rotated by the repetition); cells report the median and min-max spread,
+ratios are paired per repetition. Token equality: each run's generated texts against the ``nocache`` run of the same
 repetition (``nocache`` runs with one policy only, ``round_robin``); if any differ, a sequential
 greedy pass through the router decides
 (batching can change a greedy token on the CPU without any cache).
@@ -287,14 +288,34 @@ def run_routed(
         "errors": len(errors),
         "error_messages": sorted({last_line(e) for e in errors}),
         "wall_s": wall,
-        "prompt_tokens": sum(lens),
-        "cached_tokens": sum(cached),
-        "prefilled_tokens": sum(lens) - sum(cached),
-        "hit_rate": sum(cached) / max(sum(lens), 1),
+        "client_prompt_tokens": sum(lens),
+        "client_cached_tokens": sum(cached),
+        **token_totals(per_worker, sum(lens), sum(cached)),
         "per_worker": per_worker,
         "balance": balance(per_worker),
         "texts": list(row.get("generated_texts") or []),
         "per_request_cached": cached,
+    }
+
+
+def token_totals(per_worker: list[dict[str, Any]], client_prompt: int, client_cached: int) -> dict[str, Any]:
+    """Prompt, cached and prefilled tokens of a run and its hit rate (cached / prompt), from the
+    workers' own counters when every worker reported (``tokens_from: server``), else from the
+    per-request ``cached_tokens`` the client saw (``client``). Through the router the client's
+    figure is 0 on the chat endpoint (SGLang's cache report does not come back in the routed
+    OpenAI response), so the server counters are the measurement."""
+    if per_worker and all(w["prompt_tokens"] is not None for w in per_worker):
+        prompt = sum(w["prompt_tokens"] for w in per_worker)
+        cached = sum(w["cached_tokens"] for w in per_worker)
+        source = "server"
+    else:
+        prompt, cached, source = client_prompt, client_cached, "client"
+    return {
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefilled_tokens": prompt - cached,
+        "hit_rate": cached / max(prompt, 1),
+        "tokens_from": source,
     }
 
 
