@@ -25,10 +25,10 @@ run's prompt / cached / prefilled tokens are the sums of those counters (:func:`
 the client's per-request ``cached_tokens`` are kept as ``client_*``: through the router they read
 0 on the chat endpoint). Repetitions are interleaved (every (configuration, policy) cell once
 per repetition, order rotated by the repetition); cells report the median and min-max spread,
-ratios are paired per repetition. Token equality: each run's generated texts against the ``nocache`` run of the same
-repetition (``nocache`` runs with one policy only, ``round_robin``); if any differ, a sequential
-greedy pass through the router decides
-(batching can change a greedy token on the CPU without any cache).
+ratios are paired per repetition. Token equality: each run's generated texts against the
+``nocache`` run of the same repetition (``nocache`` runs with one policy only, ``round_robin``); if
+any differ, a sequential greedy pass through the router decides (batching can change a greedy
+token on the CPU without any cache).
 
 ``--fault`` adds the failure runs: ``sparse`` workers behind each routing policy, the first workload; when
 a third of its requests have been served, worker 1 is killed (SIGKILL of its process group: a
