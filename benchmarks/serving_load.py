@@ -1339,6 +1339,40 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def add_workload_arguments(ap: argparse.ArgumentParser, output_len: int) -> None:
+    """The workload-shrinking and pool-sizing flags shared with ``benchmarks.serving_router``."""
+    ap.add_argument(
+        "--target-len", type=int, default=768, help="median shrunk prompt, tokens (default %(default)s)"
+    )
+    ap.add_argument(
+        "--output-len",
+        type=int,
+        default=output_len,
+        help="tokens generated per request/turn (default %(default)s)",
+    )
+    ap.add_argument(
+        "--agent-target-len",
+        type=int,
+        default=1024,
+        help="median last-turn agent prompt, tokens (default %(default)s)",
+    )
+    ap.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.4,
+        help="pools (per server) hold this fraction of the unique-prefix footprint (default %(default)s)",
+    )
+    ap.add_argument(
+        "--min-running",
+        type=int,
+        default=4,
+        help="state working slots for N running requests (default %(default)s)",
+    )
+    ap.add_argument(
+        "--chunk", type=int, default=512, help="--chunked-prefill-size, tokens (default %(default)s)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (every flag is described in the module docstring too)."""
     ap = argparse.ArgumentParser(
@@ -1363,20 +1397,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--reps", type=int, help="interleaved repetitions per cell (default 3)")
     ap.add_argument("--requests", type=int, help="requests per single-turn workload (full 24, quick 16)")
-    ap.add_argument(
-        "--target-len", type=int, default=768, help="median shrunk prompt, tokens (default %(default)s)"
-    )
-    ap.add_argument(
-        "--output-len", type=int, default=16, help="tokens generated per request/turn (default %(default)s)"
-    )
     ap.add_argument("--agent-sessions", type=int, help="agent sessions (full 6, quick 3)")
     ap.add_argument("--agent-turns", type=int, help="turns per agent session (full 8, quick 6)")
-    ap.add_argument(
-        "--agent-target-len",
-        type=int,
-        default=1024,
-        help="median last-turn agent prompt, tokens (default %(default)s)",
-    )
     ap.add_argument("--rates", help="Poisson request rates, req/s, comma list (full 2,4,8; quick 4)")
     ap.add_argument(
         "--agent-rates", help="Poisson session rates for agent, sessions/s (full 0.5,1,2; quick 1)"
@@ -1386,21 +1408,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="add a load point with all requests at once capped at N in flight (full and quick 4; 0 = none)",
     )
-    ap.add_argument(
-        "--pool-fraction",
-        type=float,
-        default=0.4,
-        help="pools hold this fraction of the unique-prefix footprint (default %(default)s)",
-    )
-    ap.add_argument(
-        "--min-running",
-        type=int,
-        default=4,
-        help="state working slots for N running requests (default %(default)s)",
-    )
-    ap.add_argument(
-        "--chunk", type=int, default=512, help="--chunked-prefill-size, tokens (default %(default)s)"
-    )
+    add_workload_arguments(ap, output_len=16)
     ap.add_argument("--spread", choices=("minmax", "iqr"), default="minmax", help="spread over repetitions")
     ap.add_argument(
         "--equality",

@@ -70,6 +70,7 @@ from benchmarks.serving_load import (  # noqa: E402 - after the sys.path fix for
     SERVER_RSS_GB,
     Spread,
     Workload,
+    add_workload_arguments,
     build_agent,
     build_custom,
     config_base,
@@ -887,41 +888,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=2, help="workers per configuration (default %(default)s)")
     ap.add_argument("--reps", type=int, help="interleaved repetitions (full 3, quick 1)")
     ap.add_argument("--requests", type=int, help="requests per single-turn workload (full 24, quick 16)")
-    ap.add_argument(
-        "--target-len", type=int, default=768, help="median shrunk prompt, tokens (default %(default)s)"
-    )
-    ap.add_argument(
-        "--output-len", type=int, default=8, help="tokens generated per request (default %(default)s)"
-    )
     ap.add_argument("--agent-sessions", type=int, help="agent sessions (full 4, quick 3)")
     ap.add_argument("--agent-turns", type=int, help="turns per agent session (full 6, quick 4)")
-    ap.add_argument(
-        "--agent-target-len",
-        type=int,
-        default=1024,
-        help="median last agent prompt, tokens (default %(default)s)",
-    )
     ap.add_argument(
         "--max-concurrency",
         type=int,
         default=4,
         help="requests in flight through the router (default %(default)s)",
     )
-    ap.add_argument(
-        "--pool-fraction",
-        type=float,
-        default=0.4,
-        help="per-worker pools hold this fraction of the footprint (default %(default)s)",
-    )
-    ap.add_argument(
-        "--min-running",
-        type=int,
-        default=4,
-        help="state working slots for N running requests (default %(default)s)",
-    )
-    ap.add_argument(
-        "--chunk", type=int, default=512, help="--chunked-prefill-size, tokens (default %(default)s)"
-    )
+    add_workload_arguments(ap, output_len=8)
     ap.add_argument(
         "--fault",
         action=argparse.BooleanOptionalAction,
