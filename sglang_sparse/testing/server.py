@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -125,11 +126,34 @@ def _generate_payload(
     return {"input_ids": list(input_ids), "sampling_params": params, **extra}
 
 
+def _ephemeral_low(default: int = 32768) -> int:
+    """The lowest port of the kernel's ephemeral range (``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A currently free TCP port on ``host`` *below* the kernel's ephemeral range.
+
+    Why not ``bind(0)``: that returns an ephemeral port, and polling ``/health`` on a port nobody
+    listens on yet opens client connections from ephemeral source ports. When a source port equals
+    the destination port the connection joins itself (TCP self-connect) and holds the port, so the
+    server's own bind then fails with ``EADDRINUSE`` (seen once in CI: a 300 s start timeout). A
+    port outside the ephemeral range can never be a client's source port.
+    """
+    low = min(_ephemeral_low(), 32768)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise ServerError(f"no free TCP port below {low} on {host}")
 
 
 def _tail(path: Path, n_chars: int = 6000) -> str:

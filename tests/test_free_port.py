@@ -1,0 +1,32 @@
+"""``free_port`` hands out ports a client's ephemeral source port can never take (no TCP
+self-connect while a test polls a server that is not listening yet)."""
+
+from __future__ import annotations
+
+import socket
+
+from sglang_sparse.testing.server import _ephemeral_low, free_port
+
+
+def test_ports_are_below_the_ephemeral_range_and_bindable() -> None:
+    low = _ephemeral_low()
+    for _ in range(50):
+        port = free_port()
+        assert 1024 <= port < low
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_not_returned() -> None:
+    taken = []
+    try:
+        for _ in range(20):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", free_port()))
+            s.listen()
+            taken.append(s)
+        held = {s.getsockname()[1] for s in taken}
+        assert all(free_port() not in held for _ in range(200))
+    finally:
+        for s in taken:
+            s.close()
