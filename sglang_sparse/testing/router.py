@@ -17,8 +17,9 @@ Failure handling (the flags :class:`Router` passes, all the router's own): healt
 ``health_interval`` seconds; the per-worker circuit breaker opens after 2 consecutive failures and
 half-opens after ``breaker_timeout`` seconds, so a restarted worker on the same URL rejoins without
 re-registration; ``request_timeout`` bounds every proxied request (no request hangs on a dead
-worker). A request in flight on a worker that dies fails with HTTP 500
-(``call_upstream_request_error``) that the client sees.
+worker). A request in flight on a worker that dies fails with an error the client sees (a cut
+stream); a new request sent to it before its circuit opens fails with HTTP 500
+(``call_upstream_request_error``).
 """
 
 from __future__ import annotations
