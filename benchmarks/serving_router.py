@@ -123,6 +123,41 @@ def cell_name(config: str, policy: str) -> str:
 
 
 # ----------------------------------------------------------------------------- workers
+def make_worker(
+    model_dir: Path,
+    config: str,
+    pools: dict[str, Any],
+    *,
+    chunk: int,
+    context: int,
+    chat_template: Path,
+    cores: str,
+    log_path: Path,
+    extra: Sequence[str] = (),
+) -> Any:
+    """An (unstarted) server of ``config`` with ``--enable-metrics``, the tokenizer on, the
+    workload's pools and its compute bound to ``cores`` (``SGLANG_CPU_OMP_THREADS_BIND``: replicas
+    do not share cores, as on separate GPUs; SGLang's CPU backend otherwise gives each all cores)."""
+    from sglang_sparse.testing.server import SGLangServer, strategy_setup
+
+    base, env = strategy_setup(CONFIGS[config_base(config)][2])
+    return SGLangServer(
+        model_dir,
+        extra_args=[*server_args(config, chunk, chat_template), "--enable-metrics", *extra],
+        env={
+            "SGLANG_SPARSE_LOG_EVERY": "0",
+            "SGLANG_CPU_OMP_THREADS_BIND": cores,
+            **env,
+            **CONFIGS[config_base(config)][1],
+        },
+        base_args=[a for a in base if a != "--skip-tokenizer-init"],
+        max_total_tokens=pools["max_total_tokens"],
+        max_mamba_cache_size=pools["max_mamba_cache_size"],
+        context_length=context,
+        log_path=log_path,
+    )
+
+
 def start_workers(
     model_dir: Path,
     configs: Sequence[str],
@@ -137,37 +172,23 @@ def start_workers(
 ) -> dict[str, list[Any]]:
     """``n`` servers per configuration, started concurrently with ``--enable-metrics``, worker ``i``
     bound to core ``i`` (mod the machine's cores); all or none."""
-    from sglang_sparse.testing.server import SGLangServer, strategy_setup
-
     need = len(configs) * n * SERVER_RSS_GB + 1.0
     if mem_available_gb() < need:
         raise SystemExit(
             f"error: {len(configs) * n} workers need ~{need:.0f} GB; pass fewer --configs/--workers"
         )
-    workers: dict[str, list[Any]] = {}
     cpus = os.cpu_count() or 1
-    for c in configs:
-        base, env = strategy_setup(CONFIGS[config_base(c)][2])
-        workers[c] = [
-            SGLangServer(
-                model_dir,
-                extra_args=[*server_args(c, chunk, chat_template), "--enable-metrics"],
-                env={
-                    "SGLANG_SPARSE_LOG_EVERY": "0",
-                    # worker i computes on core i (mod the cores): replicas do not share cores,
-                    # as on separate GPUs; SGLang's CPU backend otherwise gives each all cores
-                    "SGLANG_CPU_OMP_THREADS_BIND": str(i % cpus),
-                    **env,
-                    **CONFIGS[config_base(c)][1],
-                },
-                base_args=[a for a in base if a != "--skip-tokenizer-init"],
-                max_total_tokens=pools["max_total_tokens"],
-                max_mamba_cache_size=pools["max_mamba_cache_size"],
-                context_length=context,
-                log_path=log_dir / f"router_{tag}_{c}_w{i}.log",
+    workers = {
+        c: [
+            make_worker(
+                model_dir, c, pools,
+                chunk=chunk, context=context, chat_template=chat_template,
+                cores=str(i % cpus), log_path=log_dir / f"router_{tag}_{c}_w{i}.log",
             )
             for i in range(n)
         ]
+        for c in configs
+    }  # fmt: skip
     every = [s for ws in workers.values() for s in ws]
     with concurrent.futures.ThreadPoolExecutor(len(every)) as ex:
         futs = [ex.submit(s.start, 900.0) for s in every]
@@ -746,7 +767,9 @@ def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = prin
             print_workload(w, doc["workloads"][w])
     bar.close()
     if args.dp_size:
-        doc["dp_size"] = dp_size_topology(model_dir, args, context, template, workloads[0], log)
+        doc["dp_size"] = dp_size_topology(
+            model_dir, args, context, template, workloads[0], spec.vocab_size, log
+        )
     doc["wall_s"] = time.time() - t_start
     return doc
 
@@ -777,55 +800,36 @@ def dp_size_topology(
     context: int,
     template: Path,
     workload: str,
+    vocab: int,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """One server with ``--dp-size N`` per configuration (SGLang's data-parallel controller routes
     inside the server, ``--load-balance-method round_robin``): the first workload once each."""
     from benchmarks.bench_client import ClientWorker
-    from sglang_sparse.testing.server import SGLangServer, strategy_setup
 
-    wl = (
-        build_custom(
-            workload,
-            args.requests,
-            target_len=args.target_len,
-            output_len=args.output_len,
-            context=context,
-            vocab=4096,
-            seed=args.seed,
-            work=args.work_dir,
-        )
-        if workload != "agent"
-        else None
-    )
-    if wl is None:
+    if workload == "agent":
         return {"skipped": "dp-size topology runs a single-turn workload"}
+    wl = build_custom(
+        workload,
+        args.requests,
+        target_len=args.target_len,
+        output_len=args.output_len,
+        context=context,
+        vocab=vocab,
+        seed=args.seed,
+        work=args.work_dir,
+    )
     pools = size_pools(wl.accounting, args.pool_fraction, args.min_running)
     out: dict[str, Any] = {"dp_size": args.dp_size, "workload": workload, "configs": {}}
+    texts: dict[str, list[str]] = {}
     bind = "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.dp_size))
     with ClientWorker() as client:
         for c in [c for c in args.configs.split(",") if c]:
-            base, env = strategy_setup(CONFIGS[config_base(c)][2])
-            srv = SGLangServer(
-                model_dir,
-                extra_args=[
-                    *server_args(c, args.chunk, template),
-                    "--enable-metrics",
-                    "--dp-size",
-                    str(args.dp_size),
-                ],
-                env={
-                    "SGLANG_SPARSE_LOG_EVERY": "0",
-                    "SGLANG_CPU_OMP_THREADS_BIND": bind,
-                    **env,
-                    **CONFIGS[config_base(c)][1],
-                },
-                base_args=[a for a in base if a != "--skip-tokenizer-init"],
-                max_total_tokens=pools["max_total_tokens"],
-                max_mamba_cache_size=pools["max_mamba_cache_size"],
-                context_length=context,
-                log_path=args.work_dir / f"dp_{c}.log",
-            )
+            srv = make_worker(
+                model_dir, c, pools,
+                chunk=args.chunk, context=context, chat_template=template, cores=bind,
+                log_path=args.work_dir / f"dp_{c}.log", extra=("--dp-size", str(args.dp_size)),
+            )  # fmt: skip
             try:
                 srv.start(timeout=900)
                 rec = run_routed(
@@ -840,7 +844,7 @@ def dp_size_topology(
                     timeout=args.client_timeout,
                 )
                 out["configs"][c] = _compact(rec)
-                out["configs"][c]["texts"] = rec["texts"]
+                texts[c] = rec["texts"]
                 log(
                     f"[serving_router] dp-size {args.dp_size} {c}: prefilled "
                     f"{rec['prefilled_tokens']}, errors {rec['errors']}"
@@ -849,12 +853,10 @@ def dp_size_topology(
                 out["configs"][c] = {"error": str(exc)[-3000:]}
             finally:
                 srv.stop()
-    ref = out["configs"].get("nocache", {}).get("texts")
-    for c, v in out["configs"].items():
-        if ref is not None and "texts" in v and c != "nocache":
-            v["mismatched_vs_nocache"] = text_mismatches(v["texts"], ref)
-    for v in out["configs"].values():
-        v.pop("texts", None)
+    ref = texts.get("nocache")
+    for c, t in texts.items():
+        if ref is not None and c != "nocache":
+            out["configs"][c]["mismatched_vs_nocache"] = text_mismatches(t, ref)
     return out
 
 
