@@ -57,6 +57,7 @@ def register() -> None:
     # wants a state past the prompt (sglang_sparse.sglang_adapter.decode_track).
     HookRegistry.register(_TRACK_GRID_TARGET, _track_grid_hook, HookType.AROUND)
     HookRegistry.register(_DECODE_TARGET, _prepare_for_decode_hook, HookType.AFTER)
+    HookRegistry.register(_TRACK_UPDATE_TARGET, _track_update_hook, HookType.AROUND)
     # /v1/chat/completions: message boundaries become planned states (sglang_adapter.hints).
     HookRegistry.register(_CHAT_TARGET, _chat_request_hook, HookType.AFTER)
     _registered = True
@@ -69,6 +70,10 @@ _CAPTURE_CONV_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBa
 _CAPTURE_EXTEND_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
 _TRACK_GRID_TARGET = "sglang.srt.runtime_context.mamba_track_grid"
 _DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+_TRACK_UPDATE_TARGET = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor."
+    "SchedulerBatchResultProcessor._mamba_prefix_cache_update"
+)
 _CHAT_TARGET = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request"
 
 
@@ -99,6 +104,12 @@ def _prepare_for_decode_hook(result, self, *args, **kwargs):
 
         refine_decode_tracks(self)
     return result
+
+
+def _track_update_hook(original, self, *args, **kwargs):
+    from .decode_track import prefix_cache_update_hook
+
+    return prefix_cache_update_hook(original, self, *args, **kwargs)
 
 
 def _capture_prepare_hook(result, self, *args, **kwargs):

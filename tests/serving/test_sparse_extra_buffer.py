@@ -8,7 +8,8 @@ against a ``--disable-radix-cache`` server:
 
 * greedy tokens identical to no cache on every pattern of ``test_sparse_backend.py`` (shared system
   prompt, document + questions, partial overlaps, SGLang #22935's long-prefix shape) and a 3-turn
-  session whose first turn decodes across a state-grid point;
+  session whose first turn decodes across a state-grid point, each turn resuming exactly where the
+  previous one's key ended (the exact finish track; page-aligned);
 * sparse's in-forward captures are published, the policy's mirror equals SGLang's tree after every
   checkpoint and eviction, nothing leaks at idle (SGLang's strict idle checks on), and sparse reuses
   at least as many tokens as native_eb on the whole run;
@@ -157,8 +158,13 @@ def test_sparse_on_extra_buffer_reuses_and_leaks_nothing(runs: dict) -> None:
     print(f"page {runs['page']} cached: sparse {sp['cached']} native_eb {nat['cached']}")
     s = sp["stats"]
     assert sum(sp["cached"]) >= sum(nat["cached"]) > 0, (sp["cached"], nat["cached"])
-    # the session: turn 2 resumes from turn 1's decode-time state (grid point 256)
-    assert sp["cached"][-2] >= 256, sp["cached"]
+    # the session: each turn resumes where the previous one ended, not on the 64-token grid (the
+    # exact finish track, decode_track.py): turn 1 = 250 prompt + 16 out, its key 265 tokens; turn 2
+    # = 296 + 16, key 311; page-aligned down. native_eb stops at its last grid point (256).
+    page = runs["page"]
+    assert sp["cached"][-2] == 265 // page * page, sp["cached"]
+    assert sp["cached"][-1] == 311 // page * page, sp["cached"]
+    assert nat["cached"][-2] == 256 and nat["cached"][-1] == 256, nat["cached"]
     assert s["captures_published"] > 0 and s["captures_incomplete"] == 0 and s["captures_pending"] == 0, s
     assert s["captures_reserved"] == (
         s["captures_published"] + s["captures_rejected"] + s["captures_freed"] + s["captures_incomplete"]
