@@ -116,3 +116,27 @@ def test_alpha_tuner_grid_order_and_drift():
     assert not once.should_retune(0.5) and not once.should_retune(0.0) and not once.should_retune(1.0)
     with pytest.raises(ValueError):
         AlphaTuner(())
+
+
+def test_branch_grid_puts_the_branch_point_at_the_exact_divergence():
+    """An engine that captures inside a prefill at any depth (``branch_grid=1``) plans the branch
+    point where the request splits the edge, not on the chunk grid; the rest of the plan and the
+    flat snapshot (alpha tuner replay) keep it."""
+    seq = list(range(10)) + [99, 98]
+    plans = {}
+    for bg in (None, 1, 2):
+        c = small("marconi", grid=4, branch_grid=bg)
+        c.insert(list(range(20)), None, {20: 1})
+        m = c.match(seq)
+        plans[bg] = c.capture_plan(m, len(seq), len(seq) + 3)
+        assert HybridCache.from_snapshot(c.snapshot()).branch_grid == c.branch_grid
+    assert plans == {None: [8, 15], 1: [10, 15], 2: [10, 15]}
+    c = small("marconi", grid=4, branch_grid=4)
+    c.insert(list(range(20)), None, {20: 1})
+    seq = list(range(11)) + [99]  # diverges at 11: 8 on a 4-grid, 10 on a 2-grid
+    assert c.capture_plan(c.match(seq), len(seq), len(seq)) == [8, 12]
+    c = small("marconi", grid=4, branch_grid=2)
+    c.insert(list(range(20)), None, {20: 1})
+    assert c.capture_plan(c.match(seq), len(seq), len(seq)) == [10, 12]
+    with pytest.raises(ValueError, match="branch_grid"):
+        small("marconi", branch_grid=0)

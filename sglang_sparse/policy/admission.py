@@ -4,8 +4,9 @@ All positions are absolute token depths. A request resuming at ``resume_depth`` 
 positions it computes, i.e. ``resume_depth < p <= total_len`` where ``total_len`` counts input +
 output tokens; positions ``<= len(input)`` are captured during prefill, deeper ones during decode.
 
-* ``marconi`` (Marconi speculative insertion, arXiv 2411.19379 sec. 4.1, on SGLang's chunk grid):
-  the chunk-aligned branch point ``floor(kv_depth / grid) * grid`` when the request would create a
+* ``marconi`` (Marconi speculative insertion, arXiv 2411.19379 sec. 4.1): the branch point
+  ``floor(kv_depth / branch_grid) * branch_grid`` (``branch_grid``: the chunk grid by default, the
+  page size where the engine captures states inside an extend) when the request would create a
   new branch (its input continues past the KV match and the match does not end at a leaf's end), plus
   the state after the last token (``total_len``).
 * ``block``: every multiple of ``block`` tokens (vLLM-style, independent of the tree).
@@ -67,20 +68,27 @@ def capture_positions(
     warmup: int = 5,
     fit: int | None = None,
     state_tokens: int = 0,
+    branch_grid: int | None = None,
 ) -> list[int]:
-    """Sorted positions in ``(match.resume_depth, total_len]`` to capture for this request."""
+    """Sorted positions in ``(match.resume_depth, total_len]`` to capture for this request.
+
+    ``branch_grid`` (tokens, default ``grid``): the grid the Marconi branch point is aligned down
+    to. An engine that captures a state at any page-aligned depth inside a prefill (the in-forward
+    list capture) passes its page size, so the next request on that branch resumes exactly where
+    the two diverged instead of up to ``grid - 1`` tokens above it."""
     if kind not in ADMISSIONS:
         raise ValueError(f"unknown admission {kind!r}; valid: {', '.join(ADMISSIONS)}")
     if total_len < input_len:
         raise ValueError(f"total_len ({total_len}) < input_len ({input_len})")
     lo = match.resume_depth
+    bgrid = grid if branch_grid is None else branch_grid
     pos: set[int] = set()
     if kind == "block":
         pos.update(range((lo // block + 1) * block, total_len + 1, block))
     elif kind == "sparse":
         if tail is None:
             raise ValueError("the sparse admission needs a TailPrior")
-        b = marconi_branch_point(match, input_len, grid)
+        b = marconi_branch_point(match, input_len, bgrid)
         if b is not None:
             pos.add(b)
         learned = set(tree.planned_captures(match))
@@ -101,7 +109,7 @@ def capture_positions(
         if total_len > 0:
             pos.add(total_len)
         if kind in ("marconi", "dp_marconi"):
-            b = marconi_branch_point(match, input_len, grid)
+            b = marconi_branch_point(match, input_len, bgrid)
             if b is not None:
                 pos.add(b)
         if kind in ("dp", "dp_marconi"):

@@ -58,7 +58,8 @@ class CacheSnapshot:
     ``kv_bytes_per_token``/``state_bytes`` in bytes and ``gamma``/``refresh``/``plan_budget``/
     ``grid``); ``policy``: the policy name or spec; ``budget_bytes`` (bytes, KV + states);
     ``cost``: the cost model (``None`` for policies that are not FLOP-aware); ``alpha``: the
-    eviction weight in use (>= 0); ``min_cut_gain`` (tokens); ``tail``: the learned
+    eviction weight in use (>= 0); ``min_cut_gain`` and ``branch_grid`` (tokens; ``None``: the
+    tree's grid); ``tail``: the learned
     :class:`TailPrior` (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None``:
     derived from the budget); ``probation``: the state handles on probation and ``prober`` the
     learned :class:`~.probation.ProbationPlanner` (``None`` = a fresh one); ``chains``: the online
@@ -73,6 +74,7 @@ class CacheSnapshot:
     cost: ModelCostModel | None = None
     alpha: float = 0.0
     min_cut_gain: int = 0
+    branch_grid: int | None = None
     tail: TailPrior | None = None
     fit_tokens: int | None = None
     probation: Mapping[Any, int] = field(default_factory=dict)
@@ -105,6 +107,7 @@ class HybridCache:
         min_cut_gain: int = 0,
         fit_tokens: int | None = None,
         probation_budget: int = DEFAULT_PROBATION_BUDGET,
+        branch_grid: int | None = None,
     ) -> None:
         self.spec = get_policy(policy)
         if cost is not None:
@@ -135,6 +138,11 @@ class HybridCache:
             law_provider=law_provider,
         )
         self.grid = grid
+        if branch_grid is not None and branch_grid < 1:
+            raise ValueError(f"branch_grid must be >= 1, got {branch_grid}")
+        #: grid of the Marconi branch point (tokens): ``grid`` unless the engine captures states at
+        #: any page-aligned depth inside a prefill (see :func:`~.admission.capture_positions`)
+        self.branch_grid = int(grid if branch_grid is None else branch_grid)
         if min_cut_gain < 0:
             raise ValueError(f"min_cut_gain must be >= 0, got {min_cut_gain}")
         #: engine cost model of captures inside a prefill (tokens); see :meth:`capture_plan`
@@ -184,6 +192,7 @@ class HybridCache:
             cost=self.cost,
             alpha=self.alpha,
             min_cut_gain=self.min_cut_gain,
+            branch_grid=self.branch_grid,
             tail=copy.deepcopy(self.tail),
             fit_tokens=self.fit_tokens,
             probation=dict(self.probation),
@@ -217,6 +226,7 @@ class HybridCache:
             grid=t.grid,
             min_cut_gain=snap.min_cut_gain,
             fit_tokens=snap.fit_tokens,
+            branch_grid=snap.branch_grid,
         )
         cache.tree = RadixTree.from_snapshot(t, kv_ops=kv_ops, law_provider=law_provider)
         cache.evictor.tree = cache.tree
@@ -339,6 +349,7 @@ class HybridCache:
             tail=self.tail,
             fit=self.fit_tokens,
             state_tokens=self._state_tokens,
+            branch_grid=self.branch_grid,
         )
         probation: set[int] = set()
         if self.spec.admission == "sparse":

@@ -487,8 +487,9 @@ class SparseRadixCache(UnifiedRadixCache):
         max_new = int(getattr(req.sampling_params, "max_new_tokens", 0) or 0)
         n = len(req.origin_input_ids)
         named = request_checkpoints(getattr(req.sampling_params, "custom_params", None), n)
-        if named and self.enable_mamba_extra_buffer:  # SGLang snapshots states on the grid only
-            g = self.policy.config.grid
+        if named and self.enable_mamba_extra_buffer:
+            # States exist only on SGLang's grid unless they are captured in the forward (any page).
+            g = int(self.page_size) if getattr(self, "capture_forward", False) else self.policy.config.grid
             named = tuple(sorted({p // g * g for p in named if p >= g}))
         self.policy.plan(
             req.rid,

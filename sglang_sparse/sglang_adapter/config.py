@@ -23,6 +23,13 @@ variable (JSON key)                default    meaning
 (``grid``)                                     state grid SGLang snapshots on, ``lcm(64, --page-size)``
                                                (64 with no_buffer); with extra_buffer an explicit value
                                                must be a multiple of it
+``SGLANG_SPARSE_BRANCH_GRID``       auto       grid the Marconi branch point (where a request splits an edge)
+(``branch_grid``)                              is aligned down to (int >= 1, a multiple of --page-size).
+                                               Auto: the page size wherever the engine can keep a state at
+                                               any page-aligned depth inside a prefill (``capture=forward``,
+                                               or no_buffer's chunk cut), so the next request on the branch
+                                               resumes exactly at the divergence; else (extra_buffer with
+                                               ``cut``) ``grid``
 ``SGLANG_SPARSE_MIN_CUT_GAIN``      auto       engine cost of a capture inside a prefill, in tokens: a
 (``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
                                                the resume point or the previous capture (each one costs an
@@ -85,6 +92,7 @@ class SparseConfig:
     alpha: float | None = None  # None = "auto"
     grid: int | None = None  # None: the engine's state grid (resolved by the backend factory)
     min_cut_gain: int | None = None  # None: 0 with capture=forward, CUT_MIN_GAIN with cut
+    branch_grid: int | None = None  # None: the page size where off-grid states exist, else grid
     tune_window: int = 200
     retune: bool = False
     log_every: int = 100
@@ -240,6 +248,7 @@ _PARSERS = {
     "alpha": _alpha,
     "grid": lambda s, v: _int(s, v, 1),
     "min_cut_gain": lambda s, v: _int(s, v, 0),
+    "branch_grid": lambda s, v: _int(s, v, 1),
     "tune_window": lambda s, v: _int(s, v, 1),
     "retune": _bool,
     "log_every": lambda s, v: _int(s, v, 0),

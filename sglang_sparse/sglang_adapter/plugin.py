@@ -371,6 +371,11 @@ def sparse_cache_factory(ctx: Any):
             f"SGLANG_SPARSE_GRID={config.grid} must be a multiple of the state grid {state_grid} "
             f"(lcm of the GDN chunk and --page-size {page}): extra_buffer states exist only there"
         )
+    if config.branch_grid is not None and config.branch_grid % page:
+        problems.append(
+            f"SGLANG_SPARSE_BRANCH_GRID={config.branch_grid} must be a multiple of --page-size {page} "
+            "(the KV match is page-aligned)"
+        )
     if not p.chunked_prefill_size or p.chunked_prefill_size <= 0:
         problems.append("needs chunked prefill (--chunked-prefill-size N > 0): cuts are chunk ends")
     elif extra_buffer and p.chunked_prefill_size % state_grid:
@@ -454,7 +459,17 @@ def sparse_cache_factory(ctx: Any):
     # The policy's grid: where it may place states. extra_buffer snapshots states (and the KV match
     # resumes) only on the state grid; no_buffer keeps the 64-token chunk grid by default.
     grid = config.grid if config.grid is not None else max(state_grid, DEFAULT_GRID)
-    config = dataclasses.replace(config, capture=capture, grid=grid)
+    # The branch point may sit off that grid wherever a state can be kept at any page-aligned depth
+    # inside a prefill: the in-forward list capture, or no_buffer's checkpoint at a cut chunk end.
+    off_grid = capture == "forward" or not extra_buffer
+    if config.branch_grid is not None and not off_grid and config.branch_grid % state_grid:
+        raise SparseBackendError(
+            f"--radix-cache-backend sparse: SGLANG_SPARSE_BRANCH_GRID={config.branch_grid} must be a "
+            f"multiple of the state grid {state_grid} with extra_buffer and capture=cut (SGLang "
+            "snapshots states only there)"
+        )
+    branch_grid = config.branch_grid if config.branch_grid is not None else (page if off_grid else grid)
+    config = dataclasses.replace(config, capture=capture, grid=grid, branch_grid=branch_grid)
     policy = TreePolicy(
         config,
         budget_bytes=budget,

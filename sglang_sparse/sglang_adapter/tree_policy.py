@@ -165,6 +165,7 @@ class TreePolicy:
             min_cut_gain=self.config.min_cut_gain or 0,  # None (auto) outside the factory: 0
             fit_tokens=self.fit_tokens,
             probation_budget=self.config.probation,
+            branch_grid=self.config.branch_grid,  # None (auto) outside the factory: the grid
         )
         if tree is not cache.tree:
             cache.use_tree(tree)
@@ -589,6 +590,7 @@ class TreePolicy:
             cost=self.cost,
             alpha=self.cache.alpha,
             min_cut_gain=self.cache.min_cut_gain,
+            branch_grid=self.cache.branch_grid,
             tail=copy.deepcopy(self.cache.tail),
             fit_tokens=self.fit_tokens,
             chains=copy.deepcopy(self.cache.chains),

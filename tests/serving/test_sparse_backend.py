@@ -347,6 +347,7 @@ def test_unknown_policy_lists_only_serving_policies() -> None:
         ({"SGLANG_SPARSE_ALPHA": "1", "SGLANG_SPARSE_POLICY": "lru"}, "not FLOP-aware"),
         ({"SGLANG_SPARSE_GRID": "0"}, "SGLANG_SPARSE_GRID='0': must be >= 1"),
         ({"SGLANG_SPARSE_MIN_CUT_GAIN": "-3"}, "SGLANG_SPARSE_MIN_CUT_GAIN='-3': must be >= 0"),
+        ({"SGLANG_SPARSE_BRANCH_GRID": "0"}, "SGLANG_SPARSE_BRANCH_GRID='0': must be >= 1"),
         ({"SGLANG_SPARSE_POLICY": "oracle"}, "simulator only"),
         ({"SGLANG_SPARSE_POLCY": "lru"}, "unknown variable SGLANG_SPARSE_POLCY"),
         (
@@ -374,6 +375,8 @@ def test_config_sources(tmp_path: Path) -> None:
     assert SparseConfig.from_env({}).alpha_auto
     assert SparseConfig.from_env({}).min_cut_gain is None  # auto: 0 with capture=forward, 32 with cut
     assert SparseConfig.from_env({"SGLANG_SPARSE_MIN_CUT_GAIN": "0"}).min_cut_gain == 0
+    assert SparseConfig.from_env({}).branch_grid is None  # auto: the page size where off-grid states exist
+    assert SparseConfig.from_env({"SGLANG_SPARSE_BRANCH_GRID": "64"}).branch_grid == 64
 
 
 def test_the_flag_leaves_sglangs_strategy_resolution_alone() -> None:

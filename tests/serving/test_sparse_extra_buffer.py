@@ -10,6 +10,7 @@ against a ``--disable-radix-cache`` server:
   prompt, document + questions, partial overlaps, SGLang #22935's long-prefix shape) and a 3-turn
   session whose first turn decodes across a state-grid point, each turn resuming exactly where the
   previous one's key ended (the exact finish track; page-aligned);
+* sparse resumes exactly (page-aligned) where requests diverged and where the previous turn ended;
 * sparse's in-forward captures are published, the policy's mirror equals SGLang's tree after every
   checkpoint and eviction, nothing leaks at idle (SGLang's strict idle checks on), and sparse reuses
   at least as many tokens as native_eb on the whole run;
@@ -158,10 +159,17 @@ def test_sparse_on_extra_buffer_reuses_and_leaks_nothing(runs: dict) -> None:
     print(f"page {runs['page']} cached: sparse {sp['cached']} native_eb {nat['cached']}")
     s = sp["stats"]
     assert sum(sp["cached"]) >= sum(nat["cached"]) > 0, (sp["cached"], nat["cached"])
+    # the branch point is captured where the requests diverged (page-aligned), not on the 64-token
+    # grid: the 3rd and 4th requests on the 200-token system prompt and (page 1) the 3rd question on
+    # the 300-token document resume there; native_eb at its grid point (192, 256). With pages of 16
+    # the first question's KV stops at its last state (256), so the second cannot see the split at 288.
+    page = runs["page"]
+    assert sp["cached"][2] == sp["cached"][3] == 200 // page * page, sp["cached"]
+    assert sp["cached"][6] == (300 if page == 1 else 256), sp["cached"]
+    assert nat["cached"][2] == nat["cached"][3] == 192 and nat["cached"][6] == 256, nat["cached"]
     # the session: each turn resumes where the previous one ended, not on the 64-token grid (the
     # exact finish track, decode_track.py): turn 1 = 250 prompt + 16 out, its key 265 tokens; turn 2
     # = 296 + 16, key 311; page-aligned down. native_eb stops at its last grid point (256).
-    page = runs["page"]
     assert sp["cached"][-2] == 265 // page * page, sp["cached"]
     assert sp["cached"][-1] == 311 // page * page, sp["cached"]
     assert nat["cached"][-2] == 256 and nat["cached"][-1] == 256, nat["cached"]
