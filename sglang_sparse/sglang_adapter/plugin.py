@@ -160,8 +160,9 @@ def launcher_problems(server_args: Any) -> list[str]:
     from .config import SparseConfig, SparseConfigError
 
     problems = []
+    config = None
     try:
-        SparseConfig.from_env()
+        config = SparseConfig.from_env()
     except SparseConfigError as e:
         problems.append(str(e))
     if getattr(server_args, "mamba_radix_cache_strategy", None) == "extra_buffer_lazy":
@@ -174,6 +175,11 @@ def launcher_problems(server_args: Any) -> list[str]:
         problems.append(
             f"--mamba-radix-cache-strategy no_buffer needs --page-size 1 (got {page}); "
             "use auto or extra_buffer for a paged KV cache"
+        )
+    if config is not None and config.branch_grid is not None and page and config.branch_grid % page:
+        problems.append(
+            f"SGLANG_SPARSE_BRANCH_GRID={config.branch_grid} must be a multiple of --page-size {page} "
+            "(the KV match is page-aligned)"
         )
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")

@@ -305,6 +305,11 @@ def test_kv_pool_pressure_evicts_in_policy_order_exactly(model_dir: Path) -> Non
         ({"SGLANG_SPARSE_POLICY": "bogus"}, [], "SGLANG_SPARSE_POLICY='bogus': unknown policy"),
         ({"SGLANG_SPARSE_GAMMA": "2"}, [], "SGLANG_SPARSE_GAMMA='2': must be in (0, 1]"),
         ({}, ["--page-size", "16"], "needs --page-size 1 (got 16)"),
+        (
+            {"SGLANG_SPARSE_BRANCH_GRID": "8"},
+            ["--page-size", "16"],
+            "SGLANG_SPARSE_BRANCH_GRID=8 must be a multiple of --page-size 16",
+        ),
     ],
 )
 def test_misconfiguration_fails_at_start(model_dir: Path, env: dict, extra: list, message: str) -> None:
