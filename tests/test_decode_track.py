@@ -25,11 +25,18 @@ def req(rid: str, prompt: int, max_new: int | None) -> SimpleNamespace:
     )
 
 
-def batch(reqs, seq_lens, wanting, *, page: int = 1, overlap: bool = True) -> SimpleNamespace:
-    """A decode batch as ``prepare_for_decode`` leaves it: SGLang's grid masks from ``seq_lens``."""
+def batch(reqs, seq_lens, wanting, *, page: int = 1, overlap: bool = True, exact=None) -> SimpleNamespace:
+    """A decode batch as ``prepare_for_decode`` leaves it: SGLang's grid masks from ``seq_lens``;
+    ``wanting``: the rids whose plan wants a decode state, ``exact`` (default: the same) those whose
+    plan wants an exact finish state."""
     mask = [s % GRID == 0 for s in seq_lens]
     nxt = [s % GRID == GRID - 1 for s in seq_lens] if overlap else None
-    cache = SimpleNamespace(page_size=page, wants_decode_state=lambda rid: rid in wanting)
+    exact = wanting if exact is None else exact
+    cache = SimpleNamespace(
+        page_size=page,
+        wants_decode_state=lambda rid: rid in wanting,
+        wants_exact_finish=lambda rid: rid in exact,
+    )
     return SimpleNamespace(
         reqs=reqs,
         seq_lens_cpu=torch.tensor(seq_lens),
@@ -59,6 +66,15 @@ def test_exact_finish_track_added_only_for_requests_that_want_a_final_state() ->
     assert bt.mamba_track_mask_next_cpu == [False, False, True, False, False]
     assert changed == 1  # a's mask set (d was already set, e had none in this step)
     assert bt.mamba_track_mask.tolist() == bt.mamba_track_mask_cpu
+
+
+def test_no_exact_finish_track_when_the_final_state_is_only_on_probation() -> None:
+    """A request whose only state past the prompt is the unplanned last token (on probation) keeps
+    its grid points but gets no exact finish copy: it would displace first-sight states."""
+    a = req("a", 100, 20)
+    bt = batch([a, req("b", 100, 200)], [119, 128], wanting={"a", "b"}, exact=set())
+    assert refine_decode_tracks(bt) == 0
+    assert bt.mamba_track_mask_cpu == [False, True]
 
 
 def test_grid_rows_of_requests_without_a_final_state_are_cleared() -> None:

@@ -40,6 +40,8 @@ from sglang_sparse.tree import MatchResult, RadixTree
 from .tail_prior import TailPrior
 
 ADMISSIONS = ("marconi", "block", "dp", "dp_marconi", "sparse")
+#: observations the tail prior needs before it plans (until then ``sparse`` admits the last token)
+TAIL_WARMUP = 5
 
 
 def marconi_branch_point(match: MatchResult, input_len: int, grid: int = DEFAULT_GRID) -> int | None:
@@ -65,7 +67,7 @@ def capture_positions(
     block: int = 32,
     tail: TailPrior | None = None,
     tail_budget: int = 2,
-    warmup: int = 5,
+    warmup: int = TAIL_WARMUP,
     fit: int | None = None,
     state_tokens: int = 0,
     branch_grid: int | None = None,

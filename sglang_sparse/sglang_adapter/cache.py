@@ -508,6 +508,11 @@ class SparseRadixCache(UnifiedRadixCache):
         """Does ``rid``'s plan want a state past its prompt (extra_buffer decode tracking)?"""
         return self.policy.wants_final_state(rid)
 
+    def wants_exact_finish(self, rid: str) -> bool:
+        """Does ``rid``'s plan hold a normal (not probation) state past its prompt (extra_buffer:
+        an exact finish track, see :mod:`.decode_track`)?"""
+        return self.policy.wants_exact_finish(rid)
+
     # ---------------------------------------------------------------- release / stats
 
     def on_release(self, req, *, checkpointed: bool) -> None:

@@ -25,11 +25,11 @@ variable (JSON key)                default    meaning
                                                must be a multiple of it
 ``SGLANG_SPARSE_BRANCH_GRID``       auto       grid the Marconi branch point (where a request splits an edge)
 (``branch_grid``)                              is aligned down to (int >= 1, a multiple of --page-size).
-                                               Auto: the page size wherever the engine can keep a state at
-                                               any page-aligned depth inside a prefill (``capture=forward``,
-                                               or no_buffer's chunk cut), so the next request on the branch
-                                               resumes exactly at the divergence; else (extra_buffer with
-                                               ``cut``) ``grid``
+                                               Auto: ``grid``. A finer value (the page size: the exact
+                                               divergence) needs ``capture=forward`` or no_buffer on
+                                               extra_buffer; it suits workloads whose later requests
+                                               diverge at the same depth (documents + questions) and hurts
+                                               those whose divergence depth varies by a few tokens
 ``SGLANG_SPARSE_MIN_CUT_GAIN``      auto       engine cost of a capture inside a prefill, in tokens: a
 (``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
                                                the resume point or the previous capture (each one costs an
@@ -92,7 +92,7 @@ class SparseConfig:
     alpha: float | None = None  # None = "auto"
     grid: int | None = None  # None: the engine's state grid (resolved by the backend factory)
     min_cut_gain: int | None = None  # None: 0 with capture=forward, CUT_MIN_GAIN with cut
-    branch_grid: int | None = None  # None: the page size where off-grid states exist, else grid
+    branch_grid: int | None = None  # None: grid
     tune_window: int = 200
     retune: bool = False
     log_every: int = 100

@@ -7,14 +7,19 @@ backend the grid is the policy's (the plugin's hook on ``mamba_track_grid``), an
 ``ScheduleBatch.prepare_for_decode`` built the per-row masks, :func:`refine_decode_tracks`
 
 * clears them for the requests whose plan wants no state past the prompt (no copy is made);
-* for the others keeps every grid point and adds one **exact finish track**: the step whose state
-  covers ``final_track_depth(req)`` tokens, the deepest page-aligned depth of the key SGLang
-  inserts when the request finishes at ``max_new_tokens`` (``prompt + max_new_tokens - 1``: the
-  last sampled token is never fed). A request that runs to its length (every benchmark client's
-  default, ``ignore_eos``) then leaves the state at the end of its key instead of up to one grid
-  step (64 tokens) below it, so the next turn of a conversation resumes where this one ended. One
-  state copy per request, in the forward SGLang runs anyway. A request that stops earlier (EOS,
-  stop string, abort) never reaches that step and finishes on its last grid point, as before.
+* for the others keeps every grid point, and for those whose plan holds a *normal* (not probation)
+  state past the prompt (a session's next turn is expected: ``wants_exact_finish``) adds one
+  **exact finish track**: the step whose state covers ``final_track_depth(req)`` tokens, the
+  deepest page-aligned depth of the key SGLang inserts when the request finishes at
+  ``max_new_tokens`` (``prompt + max_new_tokens - 1``: the last sampled token is never fed). A
+  request that runs to its length (every benchmark client's default, ``ignore_eos``) then leaves
+  the state at the end of its key instead of up to one grid step (64 tokens) below it, so the next
+  turn of a conversation resumes where this one ended. One state copy per request, in the forward
+  SGLang runs anyway. A request that stops earlier (EOS, stop string, abort) never reaches that
+  step and finishes on its last grid point, as before. A request whose only state past the prompt
+  is the unplanned last token (on probation) gets no exact copy: its grid finish is often dominated
+  by a prompt state and not inserted at all, while an exact one would be, and under pool pressure
+  it would push out other requests' first-sight states (``test_interleaved_groups.py``).
 
 Off-grid tracks reuse SGLang's ping-pong bookkeeping unchanged (the result processor names the
 snapshot ``mamba_last_track_seqlen = kv_committed_len - lookahead`` from the mask); the one place
@@ -57,6 +62,7 @@ def refine_decode_tracks(batch: Any) -> int:
     nxt = batch.mamba_track_mask_next_cpu
     cache = batch.tree_cache
     wants = cache.wants_decode_state
+    exact = cache.wants_exact_finish
     page = int(cache.page_size)
     seq_lens = batch.seq_lens_cpu.tolist()
     changed = 0
@@ -65,20 +71,21 @@ def refine_decode_tracks(batch: Any) -> int:
         seq = int(seq_lens[i])
         at_final = final is not None and seq == final
         before_final = nxt is not None and final is not None and seq == final - 1
-        if not (mask[i] or (nxt is not None and nxt[i]) or at_final or before_final):
+        grid_row = mask[i] or (nxt is not None and nxt[i])
+        if not (grid_row or at_final or before_final):
             continue
-        if wants(req.rid):
-            if at_final and not mask[i]:
-                mask[i] = True
-                changed += 1
-            if before_final:
-                nxt[i] = True
-        else:
+        if grid_row and not wants(req.rid):
             if mask[i]:
                 mask[i] = False
                 changed += 1
             if nxt is not None:
                 nxt[i] = False
+        if (at_final or before_final) and exact(req.rid):  # implies wants(): nothing was cleared
+            if at_final and not mask[i]:
+                mask[i] = True
+                changed += 1
+            if before_final:
+                nxt[i] = True
     if changed:
         import torch
 

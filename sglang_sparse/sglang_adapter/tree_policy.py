@@ -43,6 +43,7 @@ import numpy as np
 
 from sglang_sparse.placement import DEFAULT_GRID
 from sglang_sparse.policy import AlphaTuner, CacheSnapshot, HybridCache, ModelCostModel, get_policy
+from sglang_sparse.policy.admission import TAIL_WARMUP
 from sglang_sparse.policy.eviction_index import PROBATION, SPARE
 from sglang_sparse.sim.replay_worker import ReplayWorker
 from sglang_sparse.tree import MirrorError, MirrorTree, Node, TreeSnapshotBuilder
@@ -69,6 +70,7 @@ class RequestPlan:
     engine_prefix: int = 0
     engine_kv: int = 0
     probation: frozenset[int] = frozenset()  # the positions kept on probation (evicted first)
+    exact_finish: bool = False  # keep the finish state at the end of its key (see wants_exact_finish)
 
 
 @dataclass
@@ -285,7 +287,14 @@ class TreePolicy:
         cp = self.cache.plan(m, n, n + max(int(max_new_tokens), 0), named=named)
         positions = cp.positions
         cuts = tuple(q for q in positions if engine_prefix < q < n)
-        p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv), cp.probation)
+        # A continuation is expected from evidence, not from the cold start's last-token guess:
+        # this request continues a sequence's end itself (a session turn), or the warm tail prior
+        # planned a state past the prompt.
+        past = any(q > n and q not in cp.probation for q in positions)
+        continues = m.kv_depth > 0 and m.kv_depth == m.node.end and not m.node.children
+        warm = self.cache.tail.observations >= TAIL_WARMUP
+        exact = past and (continues or warm)
+        p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv), cp.probation, exact)
         self._plans[rid] = p
         if len(self._plans) > _MAX_PLANS:
             self._plans.popitem(last=False)
@@ -303,6 +312,16 @@ class TreePolicy:
         state)? A request without a plan keeps the engine's behaviour (True)."""
         p = self._plans.get(rid)
         return p is None or (bool(p.positions) and p.positions[-1] > p.input_len)
+
+    def wants_exact_finish(self, rid: str) -> bool:
+        """Is a later request expected to continue ``rid`` exactly at its end, so the engine should
+        keep the finish state at the end of its key rather than on its grid? Yes when the plan holds
+        a normal (not probation) position past the prompt and that comes from evidence: ``rid``
+        itself continues a sequence's end (a session turn), or the tail prior is warm. The cold
+        start's last-token guess does not count (an exact copy there displaced first-sight states
+        under pool pressure). A request without a plan: no (engine behaviour)."""
+        p = self._plans.get(rid)
+        return p is not None and p.exact_finish
 
     def get_plan(self, rid: str) -> RequestPlan | None:
         return self._plans.get(rid)

@@ -380,7 +380,7 @@ def test_config_sources(tmp_path: Path) -> None:
     assert SparseConfig.from_env({}).alpha_auto
     assert SparseConfig.from_env({}).min_cut_gain is None  # auto: 0 with capture=forward, 32 with cut
     assert SparseConfig.from_env({"SGLANG_SPARSE_MIN_CUT_GAIN": "0"}).min_cut_gain == 0
-    assert SparseConfig.from_env({}).branch_grid is None  # auto: the page size where off-grid states exist
+    assert SparseConfig.from_env({}).branch_grid is None  # auto: the policy's grid
     assert SparseConfig.from_env({"SGLANG_SPARSE_BRANCH_GRID": "64"}).branch_grid == 64
 
 
