@@ -32,10 +32,13 @@ def batch(reqs, seq_lens, wanting, *, page: int = 1, overlap: bool = True, exact
     mask = [s % GRID == 0 for s in seq_lens]
     nxt = [s % GRID == GRID - 1 for s in seq_lens] if overlap else None
     exact = wanting if exact is None else exact
+    finals = {
+        r.rid: final_track_depth(len(r.origin_input_ids), r.sampling_params.max_new_tokens, page)
+        for r in reqs
+        if r.rid in exact and r.sampling_params.max_new_tokens
+    }  # what SparseRadixCache.plan_request records
     cache = SimpleNamespace(
-        page_size=page,
-        wants_decode_state=lambda rid: rid in wanting,
-        wants_exact_finish=lambda rid: rid in exact,
+        page_size=page, wants_decode_state=lambda rid: rid in wanting, finish_tracks=finals
     )
     return SimpleNamespace(
         reqs=reqs,
@@ -49,10 +52,9 @@ def batch(reqs, seq_lens, wanting, *, page: int = 1, overlap: bool = True, exact
 
 
 def test_final_track_depth_is_the_finish_key_page_aligned() -> None:
-    assert final_track_depth(req("a", 250, 16), 1) == 265  # 250 + 16 - 1: the last token is not fed
-    assert final_track_depth(req("a", 250, 16), 16) == 256
-    assert final_track_depth(req("a", 296, 16), 16) == 304
-    assert final_track_depth(req("a", 10, None), 1) is None
+    assert final_track_depth(250, 16, 1) == 265  # 250 + 16 - 1: the last token is not fed
+    assert final_track_depth(250, 16, 16) == 256
+    assert final_track_depth(296, 16, 16) == 304
 
 
 def test_exact_finish_track_added_only_for_requests_that_want_a_final_state() -> None:
@@ -75,6 +77,13 @@ def test_no_exact_finish_track_when_the_final_state_is_only_on_probation() -> No
     bt = batch([a, req("b", 100, 200)], [119, 128], wanting={"a", "b"}, exact=set())
     assert refine_decode_tracks(bt) == 0
     assert bt.mamba_track_mask_cpu == [False, True]
+
+
+def test_a_request_without_a_length_limit_gets_no_finish_track() -> None:
+    a = req("a", 100, None)
+    bt = batch([a], [119], wanting={"a"})
+    assert bt.tree_cache.finish_tracks == {}
+    assert refine_decode_tracks(bt) == 0 and bt.mamba_track_mask_cpu == [False]
 
 
 def test_grid_rows_of_requests_without_a_final_state_are_cleared() -> None:

@@ -44,14 +44,18 @@ ADMISSIONS = ("marconi", "block", "dp", "dp_marconi", "sparse")
 TAIL_WARMUP = 5
 
 
+def extends_leaf(match: MatchResult) -> bool:
+    """Does the KV match end exactly at a leaf's end (the request continues a sequence: a new
+    turn of a session), so it creates no branch?"""
+    node = match.node
+    return match.kv_depth > 0 and match.kv_depth == node.end and not node.children
+
+
 def marconi_branch_point(match: MatchResult, input_len: int, grid: int = DEFAULT_GRID) -> int | None:
     """Chunk-aligned depth where this request would split the tree, or ``None`` if it creates no branch."""
     d = match.kv_depth
-    if d == 0 or d >= input_len:
+    if d == 0 or d >= input_len or extends_leaf(match):
         return None
-    node = match.node
-    if d == node.end and not node.children:
-        return None  # extends a leaf: no new branch
     p = (d // grid) * grid
     return p if p > 0 else None
 

@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from .decode_track import final_track_depth
 from .hints import request_checkpoints
 from .tree_policy import EngineNode, TreePolicy
 
@@ -430,6 +431,9 @@ class SparseRadixCache(UnifiedRadixCache):
     def __init__(self, params, *, policy: TreePolicy, kv_bytes_per_token: int, state_bytes: int):
         self.policy = policy
         self._pending_match: dict[str, tuple[int, int, int | None]] = {}
+        #: extra_buffer: rid -> depth (tokens) of its exact finish track, for the requests whose plan
+        #: expects a continuation (set once at planning, dropped at release; see :mod:`.decode_track`)
+        self.finish_tracks: dict[str, int] = {}
         self._kv_bytes = int(kv_bytes_per_token)
         self._state_bytes = int(state_bytes)
         #: ``SGLANG_SPARSE_CHECK_INVARIANTS``: check the mirror after every checkpoint and eviction
@@ -452,6 +456,8 @@ class SparseRadixCache(UnifiedRadixCache):
         super().reset()  # the tree core's reset() resets the policy's mirror
         if getattr(self, "_pending_match", None) is not None:
             self._pending_match.clear()
+        if getattr(self, "finish_tracks", None) is not None:
+            self.finish_tracks.clear()
 
     # ---------------------------------------------------------------- capture
 
@@ -500,6 +506,8 @@ class SparseRadixCache(UnifiedRadixCache):
             engine_prefix=prefix,
             named=named,
         )
+        if self.decode_tracking and max_new and self.policy.wants_exact_finish(req.rid):
+            self.finish_tracks[req.rid] = final_track_depth(n, max_new, int(self.page_size))
 
     def next_cut(self, req, prefix_len: int) -> int | None:
         return self.policy.next_cut(req.rid, prefix_len)
@@ -508,16 +516,12 @@ class SparseRadixCache(UnifiedRadixCache):
         """Does ``rid``'s plan want a state past its prompt (extra_buffer decode tracking)?"""
         return self.policy.wants_final_state(rid)
 
-    def wants_exact_finish(self, rid: str) -> bool:
-        """Does ``rid``'s plan hold a normal (not probation) state past its prompt (extra_buffer:
-        an exact finish track, see :mod:`.decode_track`)?"""
-        return self.policy.wants_exact_finish(rid)
-
     # ---------------------------------------------------------------- release / stats
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self._pending_match.pop(req.rid, None)
+        self.finish_tracks.pop(req.rid, None)
         self.policy.finish(req.rid, req.origin_input_ids, req.output_ids, self.export_tree)
         n = self.policy.config.log_every
         if n and self.policy.stats.finished % n == 0:

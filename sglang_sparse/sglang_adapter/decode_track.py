@@ -8,8 +8,8 @@ backend the grid is the policy's (the plugin's hook on ``mamba_track_grid``), an
 
 * clears them for the requests whose plan wants no state past the prompt (no copy is made);
 * for the others keeps every grid point, and for those whose plan holds a *normal* (not probation)
-  state past the prompt (a session's next turn is expected: ``wants_exact_finish``) adds one
-  **exact finish track**: the step whose state covers ``final_track_depth(req)`` tokens, the
+  state past the prompt (a session's next turn is expected: ``TreePolicy.wants_exact_finish``)
+  adds one **exact finish track**: the step whose state covers ``final_track_depth`` tokens, the
   deepest page-aligned depth of the key SGLang inserts when the request finishes at
   ``max_new_tokens`` (``prompt + max_new_tokens - 1``: the last sampled token is never fed). A
   request that runs to its length (every benchmark client's default, ``ignore_eos``) then leaves
@@ -41,36 +41,30 @@ from typing import Any
 from . import capture_state
 
 
-def final_track_depth(req: Any, page_size: int) -> int | None:
-    """Depth (tokens) of the exact finish state of ``req`` if it runs to ``max_new_tokens``: the
-    key SGLang inserts at finish (prompt + output - 1 tokens), page-aligned down; ``None`` if the
-    request has no length limit."""
-    max_new = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
-    if not max_new:
-        return None
-    key = len(req.origin_input_ids) + int(max_new) - 1
-    return (key // page_size) * page_size
+def final_track_depth(input_len: int, max_new_tokens: int, page_size: int) -> int:
+    """Depth (tokens) of the exact finish state of a request that runs to ``max_new_tokens``
+    (>= 1): the key SGLang inserts at finish (prompt + output - 1 tokens; the last sampled token is
+    never fed), page-aligned down."""
+    return (int(input_len) + int(max_new_tokens) - 1) // page_size * page_size
 
 
 def refine_decode_tracks(batch: Any) -> int:
     """Adjust the decode-track masks of ``batch`` (see the module docstring); returns the number of
-    rows whose mask changed. Cost: a few integer operations per row; the policy is asked only about
-    rows at (or one before) a grid point or their finish depth."""
+    rows whose mask changed. Cost per row: one dict lookup (finish depths are computed at planning,
+    ``cache.finish_tracks``); the policy is asked only about rows at (or one before) a grid point."""
     mask = batch.mamba_track_mask_cpu
     if not mask:
         return 0
     nxt = batch.mamba_track_mask_next_cpu
     cache = batch.tree_cache
     wants = cache.wants_decode_state
-    exact = cache.wants_exact_finish
-    page = int(cache.page_size)
-    seq_lens = batch.seq_lens_cpu.tolist()
+    finals = cache.finish_tracks
+    seq_lens = batch.seq_lens_cpu.tolist() if finals else None
     changed = 0
     for i, req in enumerate(batch.reqs):
-        final = final_track_depth(req, page)
-        seq = int(seq_lens[i])
-        at_final = final is not None and seq == final
-        before_final = nxt is not None and final is not None and seq == final - 1
+        final = finals.get(req.rid) if finals else None
+        at_final = final is not None and seq_lens[i] == final
+        before_final = final is not None and nxt is not None and seq_lens[i] == final - 1
         grid_row = mask[i] or (nxt is not None and nxt[i])
         if not (grid_row or at_final or before_final):
             continue
@@ -80,7 +74,7 @@ def refine_decode_tracks(batch: Any) -> int:
                 changed += 1
             if nxt is not None:
                 nxt[i] = False
-        if (at_final or before_final) and exact(req.rid):  # implies wants(): nothing was cleared
+        if at_final or before_final:  # a finish track implies wants(): nothing was cleared
             if at_final and not mask[i]:
                 mask[i] = True
                 changed += 1

@@ -176,16 +176,23 @@ def launcher_problems(server_args: Any) -> list[str]:
             f"--mamba-radix-cache-strategy no_buffer needs --page-size 1 (got {page}); "
             "use auto or extra_buffer for a paged KV cache"
         )
-    if config is not None and config.branch_grid is not None and page and config.branch_grid % page:
-        problems.append(
-            f"SGLANG_SPARSE_BRANCH_GRID={config.branch_grid} must be a multiple of --page-size {page} "
-            "(the KV match is page-aligned)"
-        )
+    if config is not None and page:
+        problems += _branch_grid_problems(config, int(page))
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
     if getattr(server_args, "enable_hierarchical_cache", False):
         problems.append("--enable-hierarchical-cache is not supported")
     return problems
+
+
+def _branch_grid_problems(config: Any, page: int) -> list[str]:
+    """``SGLANG_SPARSE_BRANCH_GRID`` against ``--page-size`` (launcher and factory alike)."""
+    if config.branch_grid is not None and config.branch_grid % page:
+        return [
+            f"SGLANG_SPARSE_BRANCH_GRID={config.branch_grid} must be a multiple of --page-size {page} "
+            "(the KV match is page-aligned)"
+        ]
+    return []
 
 
 def _server_args_hook(result, *args, **kwargs):
@@ -377,11 +384,7 @@ def sparse_cache_factory(ctx: Any):
             f"SGLANG_SPARSE_GRID={config.grid} must be a multiple of the state grid {state_grid} "
             f"(lcm of the GDN chunk and --page-size {page}): extra_buffer states exist only there"
         )
-    if config.branch_grid is not None and config.branch_grid % page:
-        problems.append(
-            f"SGLANG_SPARSE_BRANCH_GRID={config.branch_grid} must be a multiple of --page-size {page} "
-            "(the KV match is page-aligned)"
-        )
+    problems += _branch_grid_problems(config, page)
     if not p.chunked_prefill_size or p.chunked_prefill_size <= 0:
         problems.append("needs chunked prefill (--chunked-prefill-size N > 0): cuts are chunk ends")
     elif extra_buffer and p.chunked_prefill_size % state_grid:

@@ -43,7 +43,7 @@ import numpy as np
 
 from sglang_sparse.placement import DEFAULT_GRID
 from sglang_sparse.policy import AlphaTuner, CacheSnapshot, HybridCache, ModelCostModel, get_policy
-from sglang_sparse.policy.admission import TAIL_WARMUP
+from sglang_sparse.policy.admission import TAIL_WARMUP, extends_leaf
 from sglang_sparse.policy.eviction_index import PROBATION, SPARE
 from sglang_sparse.sim.replay_worker import ReplayWorker
 from sglang_sparse.tree import MirrorError, MirrorTree, Node, TreeSnapshotBuilder
@@ -291,9 +291,7 @@ class TreePolicy:
         # this request continues a sequence's end itself (a session turn), or the warm tail prior
         # planned a state past the prompt.
         past = any(q > n and q not in cp.probation for q in positions)
-        continues = m.kv_depth > 0 and m.kv_depth == m.node.end and not m.node.children
-        warm = self.cache.tail.observations >= TAIL_WARMUP
-        exact = past and (continues or warm)
+        exact = past and (extends_leaf(m) or self.cache.tail.observations >= TAIL_WARMUP)
         p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv), cp.probation, exact)
         self._plans[rid] = p
         if len(self._plans) > _MAX_PLANS:
