@@ -124,3 +124,33 @@ def test_session_eviction_order_equals_simulator_evictor() -> None:
     key = pol.state_key_fn()
     assert {h: key(h) for h in want} == best
     assert np.all(np.diff([best[h] for h in want]) >= 0)
+
+
+def test_mirror_learns_the_simulators_tail_prior() -> None:
+    """Documents with many questions: a request's KV match ends inside the leaf of an earlier
+    question, which the engine splits there (as SGLang's ``match_prefix`` does), so the mirror sees
+    the match end one node above that leaf. It must still learn the suffix distances (leaf end -
+    divergence) the simulator's token tree learns, and count the same continuation share."""
+    rng = random.Random(11)
+    docs = {k: [2, 2, 500 + k] + [rng.randrange(50) for _ in range(rng.randrange(250, 400))] for k in range(4)}
+    pol = _policy(grid=64)
+    eng = MiniEngine(pol)
+    sim = HybridCache("sparse", budget_bytes=10**12, cost=COST, kv_bytes_per_token=KV_B, state_bytes=STATE_B)
+    ids = itertools.count(1)
+    for i in range(40):
+        inp = docs[rng.randrange(4)] + [60 + rng.randrange(50) for _ in range(rng.randrange(20, 40))]
+        outp = [rng.randrange(50) for _ in range(5)]
+        node, d, resume = eng.match(inp)
+        pol.plan(f"r{i}", len(inp), len(outp), kv_node_id=node.id, engine_kv=d, engine_prefix=resume)
+        eng.insert(inp + outp, finished=True)
+        pol.finish(f"r{i}", inp, outp)
+        m = sim.match(inp)
+        sim.observe(m)
+        plan = sim.plan(m, len(inp), len(inp) + len(outp))
+        sim.insert(inp + outp, None, {p: next(ids) for p in plan.positions}, probation=plan.probation)
+    assert pol.stats.mirror_errors == 0
+    mine, theirs = pol.cache.tail.hist.items(), sim.tail.hist.items()
+    assert sim.tail.observations >= 4  # at least the second question on each document
+    assert pol.cache.tail.observations == sim.tail.observations
+    assert np.array_equal(mine[0], theirs[0]) and np.allclose(mine[1], theirs[1])
+    assert pol.cache.chains.continuation_share == sim.chains.continuation_share == 0.0

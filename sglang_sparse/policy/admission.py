@@ -41,7 +41,7 @@ from .tail_prior import TailPrior
 
 ADMISSIONS = ("marconi", "block", "dp", "dp_marconi", "sparse")
 #: observations the tail prior needs before it plans (until then ``sparse`` admits the last token)
-TAIL_WARMUP = 5
+TAIL_WARMUP = 2
 
 
 def extends_leaf(match: MatchResult) -> bool:

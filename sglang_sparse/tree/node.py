@@ -254,3 +254,22 @@ class Node:
             f"Node(uid={self.uid}, depths=({self.start}, {self.end}], children={len(self.children)}, "
             f"ckpts={list(self.checkpoints.keys())}, lock={self.lock_ref})"
         )
+
+
+def sequence_leaf(node: Node, *, chains: bool = False) -> Node | None:
+    """The leaf where an inserted sequence ended (:attr:`Node.seq_end`; with ``chains`` also a
+    session's leaf, ``chain >= 0``) that ``node`` leads to without a branch: ``node`` itself or the
+    end of its single-child path, ``None`` if the path branches or ends elsewhere first.
+
+    A match that ends inside a leaf's edge ends on that leaf in :class:`RadixTree`, but an engine
+    that splits the edge where a match ends (SGLang does, in ``match_prefix``) leaves it on the
+    upper part, one child above the same leaf: both mean "this request diverged from that
+    sequence". O(path length)."""
+
+    def ended(n: Node) -> bool:
+        return n.seq_end or (chains and n.chain >= 0)
+
+    while not ended(node) and len(node.children) == 1:
+        node = next(iter(node.children.values()))
+    return node if ended(node) and not node.children else None
+
