@@ -132,7 +132,9 @@ def test_mirror_learns_the_simulators_tail_prior() -> None:
     the match end one node above that leaf. It must still learn the suffix distances (leaf end -
     divergence) the simulator's token tree learns, and count the same continuation share."""
     rng = random.Random(11)
-    docs = {k: [2, 2, 500 + k] + [rng.randrange(50) for _ in range(rng.randrange(250, 400))] for k in range(4)}
+    docs = {
+        k: [2, 2, 500 + k] + [rng.randrange(50) for _ in range(rng.randrange(250, 400))] for k in range(4)
+    }
     pol = _policy(grid=64)
     eng = MiniEngine(pol)
     sim = HybridCache("sparse", budget_bytes=10**12, cost=COST, kv_bytes_per_token=KV_B, state_bytes=STATE_B)

@@ -272,4 +272,3 @@ def sequence_leaf(node: Node, *, chains: bool = False) -> Node | None:
     while not ended(node) and len(node.children) == 1:
         node = next(iter(node.children.values()))
     return node if ended(node) and not node.children else None
-
