@@ -39,7 +39,7 @@ from sglang_sparse.tree import (
 )
 from sglang_sparse.tree.radix import LawProvider, Tokens
 
-from .admission import capture_positions
+from .admission import capture_positions, marconi_branch_point
 from .chains import ChainTracker
 from .cost_model import ModelCostModel
 from .eviction import Evictor
@@ -371,6 +371,10 @@ class HybridCache:
                 probation.update(self.prober.positions(lo, input_len, exclude=pos))
             if total > match.resume_depth and total not in pos and fits:
                 probation.add(total)
+            if self.branch_grid < self.grid:
+                fb = marconi_branch_point(match, input_len, self.grid)
+                if fb is not None and fb > match.resume_depth and fb not in pos:
+                    probation.add(fb)
             pos = sorted(set(pos) | probation)
         if self.min_cut_gain > 0:
             kept, prev = [], match.resume_depth

@@ -291,6 +291,19 @@ class CaptureRadixCache(SparseRadixCache):
                 if tracks is not None:
                     req.kv.mamba_last_track_seqlen, req.kv.mamba_prev_track_seqlen = tracks
             self.capture_stats["captures_published"] += 1
+            if reason is not None:
+                self._end_sequence_at(req, e.position)
+
+    def _end_sequence_at(self, req, position: int) -> None:
+        """A finished request's capture at ``position`` holds its whole cache key (prompt + output
+        but the last token, page-aligned): the sequence ended at the node it was published on."""
+        page = int(self.page_size)
+        key_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+        if position != key_len // page * page:
+            return
+        node_id = getattr(getattr(req, "lock", None), "node", None)
+        if node_id is not None and self.policy.node_end(node_id) == position:
+            self.policy.on_insert(node_id, finished=True)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         self._free_pending(req.rid)

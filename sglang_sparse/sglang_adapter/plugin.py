@@ -468,10 +468,11 @@ def sparse_cache_factory(ctx: Any):
     # The policy's grid: where it may place states. extra_buffer snapshots states (and the KV match
     # resumes) only on the state grid; no_buffer keeps the 64-token chunk grid by default.
     grid = config.grid if config.grid is not None else max(state_grid, DEFAULT_GRID)
-    # The branch point stays on that grid unless the user asks for a finer one (measured: exact
-    # branch points help doc_qa and hurt system_prompts, docs/sparse_backend.md); off the grid it
-    # needs a state at any page-aligned depth inside a prefill: the in-forward list capture, or
-    # no_buffer's checkpoint at a cut chunk end.
+    # The branch point: off the grid it needs a state at any page-aligned depth inside a prefill
+    # (the in-forward list capture, or no_buffer's checkpoint at a cut chunk end, one more forward
+    # each). Auto: exact to the page where the capture is free (in the forward; the grid point
+    # below goes on probation as a fallback for requests that diverge a few tokens earlier),
+    # else the grid (measured, docs/sparse_backend.md).
     off_grid = capture == "forward" or not extra_buffer
     if config.branch_grid is not None and not off_grid and config.branch_grid % state_grid:
         raise SparseBackendError(
@@ -479,7 +480,10 @@ def sparse_cache_factory(ctx: Any):
             f"multiple of the state grid {state_grid} with extra_buffer and capture=cut (SGLang "
             "snapshots states only there)"
         )
-    branch_grid = config.branch_grid if config.branch_grid is not None else grid
+    if config.branch_grid is not None:
+        branch_grid = config.branch_grid
+    else:
+        branch_grid = int(page) if capture == "forward" and extra_buffer else grid
     config = dataclasses.replace(config, capture=capture, grid=grid, branch_grid=branch_grid)
     policy = TreePolicy(
         config,

@@ -253,6 +253,11 @@ class TreePolicy:
         if node is not None and finished:
             self.cache.end_sequence(node)
 
+    def node_end(self, node_id: int) -> int | None:
+        """Depth (tokens) at which the mirror's node ``node_id`` ends, ``None`` if unknown."""
+        n = self.mirror.get(node_id)
+        return None if n is None else int(n.end)
+
     def check(self, engine_nodes: Iterable[EngineNode]) -> None:
         """Assert that the mirror equals the engine's tree (:class:`MirrorError` otherwise)."""
         self.mirror.check_against((nid, pid, len(key), bool(st)) for nid, pid, key, st in engine_nodes)
@@ -284,7 +289,7 @@ class TreePolicy:
         if m.ckpt_handle is not None and m.ckpt_handle in self.cache.probation:
             self.stats.probation_hits += 1  # observe() promotes it: a normal state from now on
         self.cache.observe(m)
-        cp = self.cache.plan(m, n, n + max(int(max_new_tokens), 0), named=named)
+        cp = self.cache.plan(m, n, n + max(int(max_new_tokens) - 1, 0), named=named)
         positions = cp.positions
         cuts = tuple(q for q in positions if engine_prefix < q < n)
         # A continuation is expected from evidence, not from the cold start's last-token guess:
