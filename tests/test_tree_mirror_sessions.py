@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Callable
 
 import numpy as np
 
@@ -46,6 +47,27 @@ def _sessions(rng: random.Random, n: int, turns: int) -> list[tuple[int, list[in
     return out
 
 
+def _both() -> tuple[TreePolicy, MiniEngine, HybridCache, Callable[[int, list[int], list[int]], None]]:
+    """A mirror policy on a :class:`MiniEngine` and a simulator cache without evictions, and a
+    function feeding request ``i`` (input, output) to both, each the way its engine does."""
+    pol = _policy(grid=64)
+    eng = MiniEngine(pol)
+    sim = HybridCache("sparse", budget_bytes=10**12, cost=COST, kv_bytes_per_token=KV_B, state_bytes=STATE_B)
+    ids = itertools.count(1)
+
+    def feed(i: int, inp: list[int], outp: list[int]) -> None:
+        node, d, resume = eng.match(inp)
+        pol.plan(f"r{i}", len(inp), len(outp), kv_node_id=node.id, engine_kv=d, engine_prefix=resume)
+        eng.insert(inp + outp, finished=True)
+        pol.finish(f"r{i}", inp, outp)
+        m = sim.match(inp)
+        sim.observe(m)
+        plan = sim.plan(m, len(inp), len(inp) + len(outp))
+        sim.insert(inp + outp, None, {p: next(ids) for p in plan.positions}, probation=plan.probation)
+
+    return pol, eng, sim, feed
+
+
 def _chain_stats(cache: HybridCache) -> tuple:
     ch = cache.chains
     return (
@@ -61,19 +83,9 @@ def test_mirror_identifies_the_simulators_sessions() -> None:
     """Without evictions both see every later turn continue its session's leaf: one chain per
     session, the same arrival ticks and gaps (both tick twice per request: observe + insert)."""
     reqs = _sessions(random.Random(3), 5, 8)
-    pol = _policy(grid=64)
-    eng = MiniEngine(pol)
-    sim = HybridCache("sparse", budget_bytes=10**12, cost=COST, kv_bytes_per_token=KV_B, state_bytes=STATE_B)
-    ids = itertools.count(1)
+    pol, eng, sim, feed = _both()
     for i, (_, inp, outp) in enumerate(reqs):
-        node, d, resume = eng.match(inp)
-        pol.plan(f"r{i}", len(inp), len(outp), kv_node_id=node.id, engine_kv=d, engine_prefix=resume)
-        eng.insert(inp + outp, finished=True)
-        pol.finish(f"r{i}", inp, outp)
-        m = sim.match(inp)
-        sim.observe(m)
-        plan = sim.plan(m, len(inp), len(inp) + len(outp))
-        sim.insert(inp + outp, None, {p: next(ids) for p in plan.positions}, probation=plan.probation)
+        feed(i, inp, outp)
     assert pol.stats.mirror_errors == 0
     assert _chain_stats(pol.cache) == _chain_stats(sim)
     assert len(sim.chains.chains) == 5 and sim.chains.arrivals == sim.chains.joins == 35
@@ -135,21 +147,11 @@ def test_mirror_learns_the_simulators_tail_prior() -> None:
     docs = {
         k: [2, 2, 500 + k] + [rng.randrange(50) for _ in range(rng.randrange(250, 400))] for k in range(4)
     }
-    pol = _policy(grid=64)
-    eng = MiniEngine(pol)
-    sim = HybridCache("sparse", budget_bytes=10**12, cost=COST, kv_bytes_per_token=KV_B, state_bytes=STATE_B)
-    ids = itertools.count(1)
+    pol, eng, sim, feed = _both()
     for i in range(40):
         inp = docs[rng.randrange(4)] + [60 + rng.randrange(50) for _ in range(rng.randrange(20, 40))]
         outp = [rng.randrange(50) for _ in range(5)]
-        node, d, resume = eng.match(inp)
-        pol.plan(f"r{i}", len(inp), len(outp), kv_node_id=node.id, engine_kv=d, engine_prefix=resume)
-        eng.insert(inp + outp, finished=True)
-        pol.finish(f"r{i}", inp, outp)
-        m = sim.match(inp)
-        sim.observe(m)
-        plan = sim.plan(m, len(inp), len(inp) + len(outp))
-        sim.insert(inp + outp, None, {p: next(ids) for p in plan.positions}, probation=plan.probation)
+        feed(i, inp, outp)
     assert pol.stats.mirror_errors == 0
     mine, theirs = pol.cache.tail.hist.items(), sim.tail.hist.items()
     assert sim.tail.observations >= 4  # at least the second question on each document
