@@ -158,3 +158,20 @@ def test_mirror_learns_the_simulators_tail_prior() -> None:
     assert pol.cache.tail.observations == sim.tail.observations
     assert np.array_equal(mine[0], theirs[0]) and np.allclose(mine[1], theirs[1])
     assert pol.cache.chains.continuation_share == sim.chains.continuation_share == 0.0
+
+
+def test_suffix_is_measured_from_where_the_sequence_ended() -> None:
+    """An engine that keeps a sequence's KV only up to its last kept state (SGLang) reports the
+    sequence's whole key length: the tail prior measures a later divergence from there, not from
+    the shorter leaf, so the positions it places back from a new request's key end are not too deep."""
+    pol = _policy(grid=64)
+    eng = MiniEngine(pol)
+    first = list(range(300))  # a 300-token key; the engine keeps KV and a state up to 256 only
+    node = eng.insert(first[:256])
+    pol.on_insert(node.id, finished=True, seq_len=len(first))
+    later = first[:256] + [999] * 40  # diverges at or past 256: the engine's match ends at 256
+    n, d, resume = eng.match(later)
+    pol.plan("r1", len(later), 1, kv_node_id=n.id, engine_kv=d, engine_prefix=resume)
+    assert (d, pol.mirror.get(node.id).seq_tail) == (256, 44)
+    s, w = pol.cache.tail.hist.items()
+    assert pol.cache.tail.observations == 1 and list(s) == [44]

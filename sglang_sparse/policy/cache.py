@@ -292,7 +292,7 @@ class HybridCache:
             # A leaf cut back to a state (``seq_end`` False) is not where a sequence ended: reaching
             # its end says nothing about continuing one. The match may end one split above the leaf
             # (an engine that splits where a match ends): the same divergence from that sequence.
-            self.tail.observe_suffix(leaf.end - match.kv_depth)
+            self.tail.observe_suffix(leaf.end + leaf.seq_tail - match.kv_depth)
         if self.spec.admission == "sparse":
             self.prober.observe(match.kv_depth)
         self.promote(match)

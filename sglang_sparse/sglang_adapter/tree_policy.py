@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -244,12 +245,15 @@ class TreePolicy:
         if self.mirror.drop_state(node_id):
             self.stats.states_evicted += 1
 
-    def on_insert(self, node_id: int, *, finished: bool = False) -> None:
+    def on_insert(self, node_id: int, *, finished: bool = False, seq_len: int | None = None) -> None:
         """A checkpoint inserted through ``node_id`` (its path's recency, as the simulator's insert);
         ``finished``: the request's final insert, so a sequence ended at ``node_id``'s end (it
         joins the online session it continued, as the simulator's insert: see
-        :meth:`HybridCache.end_sequence <sglang_sparse.policy.HybridCache.end_sequence>`)."""
-        node = self._guard("insert", self.mirror.touch_path, node_id, finished)
+        :meth:`HybridCache.end_sequence <sglang_sparse.policy.HybridCache.end_sequence>`);
+        ``seq_len``: that sequence's cache key length (tokens), when SGLang kept less of it."""
+        node = self._guard(
+            "insert", functools.partial(self.mirror.touch_path, seq_len=seq_len), node_id, finished
+        )
         if node is not None and finished:
             self.cache.end_sequence(node)
 
