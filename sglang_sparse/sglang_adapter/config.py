@@ -25,13 +25,13 @@ variable (JSON key)                default    meaning
                                                must be a multiple of it
 ``SGLANG_SPARSE_BRANCH_GRID``       auto       grid the Marconi branch point (where a request splits an edge)
 (``branch_grid``)                              is aligned down to (int >= 1, a multiple of --page-size).
-                                               Auto: the page size (the exact divergence) with
-                                               extra_buffer and ``capture=forward``, where a state inside
-                                               a prefill is free; else ``grid``. A value finer than
-                                               ``grid`` needs ``capture=forward`` or no_buffer on
+                                               Auto: ``grid``. A finer value (the page size: the exact
+                                               divergence) needs ``capture=forward`` or no_buffer on
                                                extra_buffer; the ``grid`` point below an exact branch is
-                                               kept on probation (requests that diverge a few tokens
-                                               earlier resume there)
+                                               then kept on probation (requests that diverge a few tokens
+                                               earlier resume there). Opt-in: it lifts the document and
+                                               system-prompt slices, but two states per branch push
+                                               first-sight states out of a small state pool
 ``SGLANG_SPARSE_MIN_CUT_GAIN``      auto       engine cost of a capture inside a prefill, in tokens: a
 (``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
                                                the resume point or the previous capture (each one costs an

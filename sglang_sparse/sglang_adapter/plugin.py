@@ -470,9 +470,9 @@ def sparse_cache_factory(ctx: Any):
     grid = config.grid if config.grid is not None else max(state_grid, DEFAULT_GRID)
     # The branch point: off the grid it needs a state at any page-aligned depth inside a prefill
     # (the in-forward list capture, or no_buffer's checkpoint at a cut chunk end, one more forward
-    # each). Auto: exact to the page where the capture is free (in the forward; the grid point
-    # below goes on probation as a fallback for requests that diverge a few tokens earlier),
-    # else the grid (measured, docs/sparse_backend.md).
+    # each). Auto: the grid. Exact (the page size; the grid point below then goes on probation)
+    # is opt-in: it lifts doc_qa / system_prompts but its two states per branch push first-sight
+    # states out of a small state pool (docs/sparse_backend.md).
     off_grid = capture == "forward" or not extra_buffer
     if config.branch_grid is not None and not off_grid and config.branch_grid % state_grid:
         raise SparseBackendError(
@@ -480,10 +480,7 @@ def sparse_cache_factory(ctx: Any):
             f"multiple of the state grid {state_grid} with extra_buffer and capture=cut (SGLang "
             "snapshots states only there)"
         )
-    if config.branch_grid is not None:
-        branch_grid = config.branch_grid
-    else:
-        branch_grid = int(page) if capture == "forward" and extra_buffer else grid
+    branch_grid = config.branch_grid if config.branch_grid is not None else grid
     config = dataclasses.replace(config, capture=capture, grid=grid, branch_grid=branch_grid)
     policy = TreePolicy(
         config,
