@@ -32,14 +32,13 @@ def batch(reqs, seq_lens, wanting, *, page: int = 1, overlap: bool = True, exact
     mask = [s % GRID == 0 for s in seq_lens]
     nxt = [s % GRID == GRID - 1 for s in seq_lens] if overlap else None
     exact = wanting if exact is None else exact
-    finals = {
+    depths = {
         r.rid: final_track_depth(len(r.origin_input_ids), r.sampling_params.max_new_tokens, page)
         for r in reqs
-        if r.rid in exact and r.sampling_params.max_new_tokens
-    }  # what SparseRadixCache.plan_request records
-    cache = SimpleNamespace(
-        page_size=page, wants_decode_state=lambda rid: rid in wanting, finish_tracks=finals
-    )
+    }
+    # what SparseRadixCache.plan_request records: the tracked depth of each exact-finish request
+    finals = {rid: d for rid, d in depths.items() if rid in exact and d is not None}
+    cache = SimpleNamespace(wants_decode_state=lambda rid: rid in wanting, finish_tracks=finals)
     return SimpleNamespace(
         reqs=reqs,
         seq_lens_cpu=torch.tensor(seq_lens),
@@ -55,6 +54,7 @@ def test_final_track_depth_is_the_finish_key_page_aligned() -> None:
     assert final_track_depth(250, 16, 1) == 265  # 250 + 16 - 1: the last token is not fed
     assert final_track_depth(250, 16, 16) == 256
     assert final_track_depth(296, 16, 16) == 304
+    assert final_track_depth(10, None, 1) is None and final_track_depth(10, 0, 1) is None
 
 
 def test_exact_finish_track_added_only_for_requests_that_want_a_final_state() -> None:

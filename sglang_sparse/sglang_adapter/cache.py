@@ -506,8 +506,10 @@ class SparseRadixCache(UnifiedRadixCache):
             engine_prefix=prefix,
             named=named,
         )
-        if self.decode_tracking and max_new and self.policy.wants_exact_finish(req.rid):
-            self.finish_tracks[req.rid] = final_track_depth(n, max_new, int(self.page_size))
+        if self.decode_tracking and self.policy.wants_exact_finish(req.rid):
+            depth = final_track_depth(n, max_new, int(self.page_size))
+            if depth is not None:
+                self.finish_tracks[req.rid] = depth
 
     def next_cut(self, req, prefix_len: int) -> int | None:
         return self.policy.next_cut(req.rid, prefix_len)

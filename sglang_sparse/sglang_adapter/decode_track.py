@@ -41,10 +41,12 @@ from typing import Any
 from . import capture_state
 
 
-def final_track_depth(input_len: int, max_new_tokens: int, page_size: int) -> int:
-    """Depth (tokens) of the exact finish state of a request that runs to ``max_new_tokens``
-    (>= 1): the key SGLang inserts at finish (prompt + output - 1 tokens; the last sampled token is
-    never fed), page-aligned down."""
+def final_track_depth(input_len: int, max_new_tokens: int | None, page_size: int) -> int | None:
+    """Depth (tokens) of the exact finish state of a request that runs to ``max_new_tokens``: the
+    key SGLang inserts at finish (prompt + output - 1 tokens; the last sampled token is never
+    fed), page-aligned down; ``None`` without a length limit (no depth to track)."""
+    if not max_new_tokens:
+        return None
     return (int(input_len) + int(max_new_tokens) - 1) // page_size * page_size
 
 
