@@ -140,3 +140,25 @@ def test_branch_grid_puts_the_branch_point_at_the_exact_divergence():
     assert c.capture_plan(c.match(seq), len(seq), len(seq)) == [10, 12]
     with pytest.raises(ValueError, match="branch_grid"):
         small("marconi", branch_grid=0)
+
+
+def test_sparse_exact_branch_keeps_the_grid_point_below_on_probation():
+    """``sparse`` with a branch grid finer than its grid: the branch point is exact, the grid point
+    below it is planned on probation (a request that diverges a few tokens earlier resumes there);
+    a branch above the first grid step (a shared header) plans no state at all."""
+    c = small("sparse", budget=10_000, grid=4, branch_grid=1)
+    c.insert(list(range(20)), None, {20: 1})
+    seq = list(range(11)) + [99]  # diverges at 11
+    m = c.match(seq)
+    plan = c.plan(m, len(seq), len(seq))
+    assert 11 in plan.positions and 11 not in plan.probation
+    assert 8 in plan.positions and 8 in plan.probation
+    same = small("sparse", budget=10_000, grid=4)  # branch on the grid: no extra fallback
+    same.insert(list(range(20)), None, {20: 1})
+    p2 = same.plan(same.match(seq), len(seq), len(seq))
+    assert 8 in p2.positions and 8 not in p2.probation and 11 not in p2.positions
+    header = small("sparse", budget=10_000, grid=4, branch_grid=1)
+    header.insert(list(range(20)), None, {20: 1})
+    short = [0, 1, 2, 77, 78, 79]  # diverges at 3, above the first grid step
+    p3 = header.plan(header.match(short), len(short), len(short))
+    assert 3 not in p3.positions

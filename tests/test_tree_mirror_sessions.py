@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Callable
 
 import numpy as np
 
@@ -46,6 +47,27 @@ def _sessions(rng: random.Random, n: int, turns: int) -> list[tuple[int, list[in
     return out
 
 
+def _both() -> tuple[TreePolicy, MiniEngine, HybridCache, Callable[[int, list[int], list[int]], None]]:
+    """A mirror policy on a :class:`MiniEngine` and a simulator cache without evictions, and a
+    function feeding request ``i`` (input, output) to both, each the way its engine does."""
+    pol = _policy(grid=64)
+    eng = MiniEngine(pol)
+    sim = HybridCache("sparse", budget_bytes=10**12, cost=COST, kv_bytes_per_token=KV_B, state_bytes=STATE_B)
+    ids = itertools.count(1)
+
+    def feed(i: int, inp: list[int], outp: list[int]) -> None:
+        node, d, resume = eng.match(inp)
+        pol.plan(f"r{i}", len(inp), len(outp), kv_node_id=node.id, engine_kv=d, engine_prefix=resume)
+        eng.insert(inp + outp, finished=True)
+        pol.finish(f"r{i}", inp, outp)
+        m = sim.match(inp)
+        sim.observe(m)
+        plan = sim.plan(m, len(inp), len(inp) + len(outp))
+        sim.insert(inp + outp, None, {p: next(ids) for p in plan.positions}, probation=plan.probation)
+
+    return pol, eng, sim, feed
+
+
 def _chain_stats(cache: HybridCache) -> tuple:
     ch = cache.chains
     return (
@@ -61,19 +83,9 @@ def test_mirror_identifies_the_simulators_sessions() -> None:
     """Without evictions both see every later turn continue its session's leaf: one chain per
     session, the same arrival ticks and gaps (both tick twice per request: observe + insert)."""
     reqs = _sessions(random.Random(3), 5, 8)
-    pol = _policy(grid=64)
-    eng = MiniEngine(pol)
-    sim = HybridCache("sparse", budget_bytes=10**12, cost=COST, kv_bytes_per_token=KV_B, state_bytes=STATE_B)
-    ids = itertools.count(1)
+    pol, eng, sim, feed = _both()
     for i, (_, inp, outp) in enumerate(reqs):
-        node, d, resume = eng.match(inp)
-        pol.plan(f"r{i}", len(inp), len(outp), kv_node_id=node.id, engine_kv=d, engine_prefix=resume)
-        eng.insert(inp + outp, finished=True)
-        pol.finish(f"r{i}", inp, outp)
-        m = sim.match(inp)
-        sim.observe(m)
-        plan = sim.plan(m, len(inp), len(inp) + len(outp))
-        sim.insert(inp + outp, None, {p: next(ids) for p in plan.positions}, probation=plan.probation)
+        feed(i, inp, outp)
     assert pol.stats.mirror_errors == 0
     assert _chain_stats(pol.cache) == _chain_stats(sim)
     assert len(sim.chains.chains) == 5 and sim.chains.arrivals == sim.chains.joins == 35
@@ -124,3 +136,42 @@ def test_session_eviction_order_equals_simulator_evictor() -> None:
     key = pol.state_key_fn()
     assert {h: key(h) for h in want} == best
     assert np.all(np.diff([best[h] for h in want]) >= 0)
+
+
+def test_mirror_learns_the_simulators_tail_prior() -> None:
+    """Documents with many questions: a request's KV match ends inside the leaf of an earlier
+    question, which the engine splits there (as SGLang's ``match_prefix`` does), so the mirror sees
+    the match end one node above that leaf. It must still learn the suffix distances (leaf end -
+    divergence) the simulator's token tree learns, and count the same continuation share."""
+    rng = random.Random(11)
+    docs = {
+        k: [2, 2, 500 + k] + [rng.randrange(50) for _ in range(rng.randrange(250, 400))] for k in range(4)
+    }
+    pol, eng, sim, feed = _both()
+    for i in range(40):
+        inp = docs[rng.randrange(4)] + [60 + rng.randrange(50) for _ in range(rng.randrange(20, 40))]
+        outp = [rng.randrange(50) for _ in range(5)]
+        feed(i, inp, outp)
+    assert pol.stats.mirror_errors == 0
+    mine, theirs = pol.cache.tail.hist.items(), sim.tail.hist.items()
+    assert sim.tail.observations >= 4  # at least the second question on each document
+    assert pol.cache.tail.observations == sim.tail.observations
+    assert np.array_equal(mine[0], theirs[0]) and np.allclose(mine[1], theirs[1])
+    assert pol.cache.chains.continuation_share == sim.chains.continuation_share == 0.0
+
+
+def test_suffix_is_measured_from_where_the_sequence_ended() -> None:
+    """An engine that keeps a sequence's KV only up to its last kept state (SGLang) reports the
+    sequence's whole key length: the tail prior measures a later divergence from there, not from
+    the shorter leaf, so the positions it places back from a new request's key end are not too deep."""
+    pol = _policy(grid=64)
+    eng = MiniEngine(pol)
+    first = list(range(300))  # a 300-token key; the engine keeps KV and a state up to 256 only
+    node = eng.insert(first[:256])
+    pol.on_insert(node.id, finished=True, seq_len=len(first))
+    later = first[:256] + [999] * 40  # diverges at or past 256: the engine's match ends at 256
+    n, d, resume = eng.match(later)
+    pol.plan("r1", len(later), 1, kv_node_id=n.id, engine_kv=d, engine_prefix=resume)
+    assert (d, pol.mirror.get(node.id).seq_tail) == (256, 44)
+    s, w = pol.cache.tail.hist.items()
+    assert pol.cache.tail.observations == 1 and list(s) == [44]

@@ -41,7 +41,7 @@ from .tail_prior import TailPrior
 
 ADMISSIONS = ("marconi", "block", "dp", "dp_marconi", "sparse")
 #: observations the tail prior needs before it plans (until then ``sparse`` admits the last token)
-TAIL_WARMUP = 5
+TAIL_WARMUP = 2
 
 
 def extends_leaf(match: MatchResult) -> bool:
@@ -95,7 +95,7 @@ def capture_positions(
         if tail is None:
             raise ValueError("the sparse admission needs a TailPrior")
         b = marconi_branch_point(match, input_len, bgrid)
-        if b is not None:
+        if b is not None and b >= grid:  # a branch in a shared header saves too little per state
             pos.add(b)
         learned = set(tree.planned_captures(match))
         if tail.observations < warmup:

@@ -27,10 +27,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_sparse.placement import DEFAULT_GRID
-from sglang_sparse.tree import Freed, InsertResult, KVOps, MatchResult, Node, RadixTree, TreeSnapshot
+from sglang_sparse.tree import (
+    Freed,
+    InsertResult,
+    KVOps,
+    MatchResult,
+    Node,
+    RadixTree,
+    TreeSnapshot,
+    sequence_leaf,
+)
 from sglang_sparse.tree.radix import LawProvider, Tokens
 
-from .admission import capture_positions
+from .admission import capture_positions, marconi_branch_point
 from .chains import ChainTracker
 from .cost_model import ModelCostModel
 from .eviction import Evictor
@@ -277,11 +286,13 @@ class HybridCache:
         """Record the admitted request's match (clock, recency, depth law, re-plans, tail prior,
         and an arrival of the online session it continues, if any: :mod:`.chains`)."""
         node = match.node
-        if match.kv_depth >= self.grid and node.parent is not None and not node.children and node.seq_end:
+        leaf = sequence_leaf(node) if match.kv_depth >= self.grid and node.parent is not None else None
+        if leaf is not None:
             # Divergences above the first grid step cannot be served by any checkpoint: not evidence.
             # A leaf cut back to a state (``seq_end`` False) is not where a sequence ended: reaching
-            # its end says nothing about continuing one.
-            self.tail.observe_suffix(node.end - match.kv_depth)
+            # its end says nothing about continuing one. The match may end one split above the leaf
+            # (an engine that splits where a match ends): the same divergence from that sequence.
+            self.tail.observe_suffix(leaf.end + leaf.seq_tail - match.kv_depth)
         if self.spec.admission == "sparse":
             self.prober.observe(match.kv_depth)
         self.promote(match)
@@ -360,6 +371,10 @@ class HybridCache:
                 probation.update(self.prober.positions(lo, input_len, exclude=pos))
             if total > match.resume_depth and total not in pos and fits:
                 probation.add(total)
+            if self.branch_grid < self.grid:
+                fb = marconi_branch_point(match, input_len, self.grid)
+                if fb is not None and fb > match.resume_depth and fb not in pos:
+                    probation.add(fb)
             pos = sorted(set(pos) | probation)
         if self.min_cut_gain > 0:
             kept, prev = [], match.resume_depth

@@ -54,7 +54,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sglang_sparse.placement import DEFAULT_GRID
-from sglang_sparse.tree import MatchResult, Node
+from sglang_sparse.tree import MatchResult, Node, sequence_leaf
 
 #: how many nodes :meth:`ChainTracker.end_sequence` walks up from a sequence's last node
 MAX_WALK = 64
@@ -142,15 +142,16 @@ class ChainTracker:
         once per request, before the tree's ``observe`` (it counts the request for
         :attr:`continuation_share`; it does not change the tree)."""
         node = match.node
-        if match.kv_depth < self.grid or node.parent is None or node.children:
+        if match.kv_depth < self.grid or node.parent is None:
             return None
-        if not (node.seq_end or node.chain >= 0):
+        leaf = sequence_leaf(node, chains=True)  # the match may end one engine split above it
+        if leaf is None:
             return None
         g = self.gamma
-        cont = match.kv_depth == node.end
+        cont = match.kv_depth == leaf.end
         self._reach = g * self._reach + 1.0
         self._cont = g * self._cont + (1.0 if cont else 0.0)
-        return node if cont else None
+        return leaf if cont else None
 
     def arrive(self, leaf: Node, now: int, previous_access: int) -> int:
         """Record that a request continued ``leaf`` at tick ``now``; ``previous_access``: the leaf's

@@ -198,7 +198,10 @@ class SparseMambaComponent(MambaComponent):
         if insert_result is not None and insert_result.last_device_node is not None:
             node_id = getattr(insert_result.last_device_node, "id", insert_result.last_device_node)
             if self.tree_core._node_arena.get(node_id) is not None:  # noqa: SLF001 - lookup, no KeyError
-                self.cache.policy.on_insert(node_id, finished=is_finished)
+                seq_len = key_length(req) if is_finished else None
+                self.cache.policy.on_insert(node_id, finished=is_finished, seq_len=seq_len)
+        elif is_finished:
+            self.cache.end_sequence_at_lock(req)
         self.cache.maybe_check_invariants("checkpoint")
 
     # ---------------------------------------------------------------- mirror state frees
@@ -423,6 +426,12 @@ class _KVWalk:
                 return x
 
 
+def key_length(req) -> int:
+    """Tokens of a finished request's cache key: its prompt and output but the last token (whose
+    KV and state were never computed)."""
+    return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+
+
 class SparseRadixCache(UnifiedRadixCache):
     """``UnifiedRadixCache`` + the policy (capture plan, admission, eviction order, stats)."""
 
@@ -482,6 +491,22 @@ class SparseRadixCache(UnifiedRadixCache):
             if len(self._pending_match) > _MAX_PENDING_MATCHES:
                 self._pending_match.pop(next(iter(self._pending_match)))
         return r
+
+    def end_sequence_at_lock(self, req) -> None:
+        """A finished request inserted nothing at its finish (its last state was already in the
+        tree, or none was kept): its sequence ended, as far as the tree's KV goes, at the deepest
+        node it inserted (the node its tree lock holds), the rest of its key recorded as that
+        leaf's tail. Not while a deeper capture of it is still to be published (that one marks the
+        end). Never raises into SGLang."""
+        if getattr(self, "_capture_pending", {}).get(req.rid):
+            return
+        node_id = getattr(getattr(req, "lock", None), "node", None)
+        if node_id is None or self.tree_core._node_arena.get(node_id) is None:  # noqa: SLF001
+            return
+        end = self.policy.node_end(node_id)
+        if end is None or end <= 0 or end != int(req.kv.cache_protected_len):
+            return
+        self.policy.on_insert(node_id, finished=True, seq_len=key_length(req))
 
     def plan_request(self, req) -> None:
         """Plan ``req``'s captures (once per request; first admission attempt)."""

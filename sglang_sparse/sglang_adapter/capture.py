@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from .cache import SparseMambaComponent, SparseRadixCache
+from .cache import SparseMambaComponent, SparseRadixCache, key_length
 from .capture_state import Active as _Active
 from .capture_state import clear as _clear_active
 from .capture_state import forward_plan as _forward_plan
@@ -291,6 +291,18 @@ class CaptureRadixCache(SparseRadixCache):
                 if tracks is not None:
                     req.kv.mamba_last_track_seqlen, req.kv.mamba_prev_track_seqlen = tracks
             self.capture_stats["captures_published"] += 1
+            if reason is not None:
+                self._end_sequence_at(req, e.position)
+
+    def _end_sequence_at(self, req, position: int) -> None:
+        """A finished request's capture at ``position`` holds its whole cache key (prompt + output
+        but the last token, page-aligned): the sequence ended at the node it was published on."""
+        page = int(self.page_size)
+        if position != key_length(req) // page * page:
+            return
+        node_id = getattr(getattr(req, "lock", None), "node", None)
+        if node_id is not None and self.policy.node_end(node_id) == position:
+            self.policy.on_insert(node_id, finished=True, seq_len=position)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         self._free_pending(req.rid)

@@ -27,9 +27,11 @@ variable (JSON key)                default    meaning
 (``branch_grid``)                              is aligned down to (int >= 1, a multiple of --page-size).
                                                Auto: ``grid``. A finer value (the page size: the exact
                                                divergence) needs ``capture=forward`` or no_buffer on
-                                               extra_buffer; it suits workloads whose later requests
-                                               diverge at the same depth (documents + questions) and hurts
-                                               those whose divergence depth varies by a few tokens
+                                               extra_buffer; the ``grid`` point below an exact branch is
+                                               then kept on probation (requests that diverge a few tokens
+                                               earlier resume there). Opt-in: it lifts the document and
+                                               system-prompt slices, but two states per branch push
+                                               first-sight states out of a small state pool
 ``SGLANG_SPARSE_MIN_CUT_GAIN``      auto       engine cost of a capture inside a prefill, in tokens: a
 (``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
                                                the resume point or the previous capture (each one costs an

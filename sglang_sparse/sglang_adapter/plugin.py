@@ -468,10 +468,11 @@ def sparse_cache_factory(ctx: Any):
     # The policy's grid: where it may place states. extra_buffer snapshots states (and the KV match
     # resumes) only on the state grid; no_buffer keeps the 64-token chunk grid by default.
     grid = config.grid if config.grid is not None else max(state_grid, DEFAULT_GRID)
-    # The branch point stays on that grid unless the user asks for a finer one (measured: exact
-    # branch points help doc_qa and hurt system_prompts, docs/sparse_backend.md); off the grid it
-    # needs a state at any page-aligned depth inside a prefill: the in-forward list capture, or
-    # no_buffer's checkpoint at a cut chunk end.
+    # The branch point: off the grid it needs a state at any page-aligned depth inside a prefill
+    # (the in-forward list capture, or no_buffer's checkpoint at a cut chunk end, one more forward
+    # each). Auto: the grid. Exact (the page size; the grid point below then goes on probation)
+    # is opt-in: it lifts doc_qa / system_prompts but its two states per branch push first-sight
+    # states out of a small state pool (docs/sparse_backend.md).
     off_grid = capture == "forward" or not extra_buffer
     if config.branch_grid is not None and not off_grid and config.branch_grid % state_grid:
         raise SparseBackendError(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -244,14 +245,22 @@ class TreePolicy:
         if self.mirror.drop_state(node_id):
             self.stats.states_evicted += 1
 
-    def on_insert(self, node_id: int, *, finished: bool = False) -> None:
+    def on_insert(self, node_id: int, *, finished: bool = False, seq_len: int | None = None) -> None:
         """A checkpoint inserted through ``node_id`` (its path's recency, as the simulator's insert);
         ``finished``: the request's final insert, so a sequence ended at ``node_id``'s end (it
         joins the online session it continued, as the simulator's insert: see
-        :meth:`HybridCache.end_sequence <sglang_sparse.policy.HybridCache.end_sequence>`)."""
-        node = self._guard("insert", self.mirror.touch_path, node_id, finished)
+        :meth:`HybridCache.end_sequence <sglang_sparse.policy.HybridCache.end_sequence>`);
+        ``seq_len``: that sequence's cache key length (tokens), when SGLang kept less of it."""
+        node = self._guard(
+            "insert", functools.partial(self.mirror.touch_path, seq_len=seq_len), node_id, finished
+        )
         if node is not None and finished:
             self.cache.end_sequence(node)
+
+    def node_end(self, node_id: int) -> int | None:
+        """Depth (tokens) at which the mirror's node ``node_id`` ends, ``None`` if unknown."""
+        n = self.mirror.get(node_id)
+        return None if n is None else int(n.end)
 
     def check(self, engine_nodes: Iterable[EngineNode]) -> None:
         """Assert that the mirror equals the engine's tree (:class:`MirrorError` otherwise)."""
@@ -284,7 +293,7 @@ class TreePolicy:
         if m.ckpt_handle is not None and m.ckpt_handle in self.cache.probation:
             self.stats.probation_hits += 1  # observe() promotes it: a normal state from now on
         self.cache.observe(m)
-        cp = self.cache.plan(m, n, n + max(int(max_new_tokens), 0), named=named)
+        cp = self.cache.plan(m, n, n + max(int(max_new_tokens) - 1, 0), named=named)
         positions = cp.positions
         cuts = tuple(q for q in positions if engine_prefix < q < n)
         # A continuation is expected from evidence, not from the cold start's last-token guess:

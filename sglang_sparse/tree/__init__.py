@@ -1,7 +1,7 @@
 """Radix tree over token ids with sparse recurrent-state checkpoints (handles are opaque)."""
 
 from .mirror import MirrorError, MirrorTree, Span
-from .node import CheckpointMap, Node
+from .node import CheckpointMap, Node, sequence_leaf
 from .radix import Freed, InsertResult, KVOps, MatchResult, RadixTree, as_tokens
 from .snapshot import SnapshotError, TreeSnapshot, TreeSnapshotBuilder
 
@@ -20,4 +20,5 @@ __all__ = [
     "TreeSnapshot",
     "TreeSnapshotBuilder",
     "as_tokens",
+    "sequence_leaf",
 ]

@@ -262,14 +262,18 @@ class MirrorTree(RadixTree):
         self._changed(node)
         return True
 
-    def touch_path(self, node_id: int, seq_end: bool = False, *, tick: bool = True) -> Node:
+    def touch_path(
+        self, node_id: int, seq_end: bool = False, *, tick: bool = True, seq_len: int | None = None
+    ) -> Node:
         """Refresh the recency of the path root -> ``node_id`` (an insert through it): advance the
         clock (``tick``) and write ``last_access`` on every path node, as :meth:`RadixTree.insert`
         does; ``seq_end``: the insert was a whole sequence, ending at ``node_id``'s end (see
-        :attr:`Node.seq_end`). Iterative; O(depth)."""
+        :attr:`Node.seq_end`), ``seq_len`` tokens long (default: ``node_id``'s end; a longer one is
+        recorded in :attr:`Node.seq_tail`). Iterative; O(depth)."""
         node = self.node(node_id)
         if seq_end:
             node.seq_end = True
+            node.seq_tail = max(0, int(seq_len) - node.end) if seq_len is not None else 0
         now = self.tick() if tick else self.clock
         n = node
         while n.parent is not None:

@@ -21,6 +21,9 @@ view of a caller's array). Invariants (checked by :meth:`RadixTree.check`):
   that only exists because a split or a cut-back made it end there is not one). The tail prior
   learns suffix distances only from such leaves: a leaf cut back to a state is not where any
   sequence ended, so a request reaching its end need not continue anything.
+* ``seq_tail``: tokens of that sequence's cache key past ``end`` (0 in the token tree, which holds
+  whole sequences; in an engine's tree, whose KV may stop at the sequence's last kept state, the
+  part it dropped), so the tail prior measures divergences from where the sequence really ended.
 * ``chain``: the id of the online session (chain of leaves continued from their end) this node
   belongs to, ``-1`` if none; written by :class:`~sglang_sparse.policy.chains.ChainTracker` only,
   kept by the upper part of a split and by the child of a merge.
@@ -194,6 +197,7 @@ class Node:
         "alive",
         "heap_key",
         "seq_end",
+        "seq_tail",
         "chain",
     )
 
@@ -219,6 +223,7 @@ class Node:
         self.alive = True
         self.heap_key = -1
         self.seq_end = False
+        self.seq_tail = 0
         self.chain = -1
 
     @property
@@ -254,3 +259,21 @@ class Node:
             f"Node(uid={self.uid}, depths=({self.start}, {self.end}], children={len(self.children)}, "
             f"ckpts={list(self.checkpoints.keys())}, lock={self.lock_ref})"
         )
+
+
+def sequence_leaf(node: Node, *, chains: bool = False) -> Node | None:
+    """The leaf where an inserted sequence ended (:attr:`Node.seq_end`; with ``chains`` also a
+    session's leaf, ``chain >= 0``) that ``node`` leads to without a branch: ``node`` itself or the
+    end of its single-child path, ``None`` if the path branches or ends elsewhere first.
+
+    A match that ends inside a leaf's edge ends on that leaf in :class:`RadixTree`, but an engine
+    that splits the edge where a match ends (SGLang does, in ``match_prefix``) leaves it on the
+    upper part, one child above the same leaf: both mean "this request diverged from that
+    sequence". O(path length)."""
+
+    def ended(n: Node) -> bool:
+        return n.seq_end or (chains and n.chain >= 0)
+
+    while not ended(node) and len(node.children) == 1:
+        node = next(iter(node.children.values()))
+    return node if ended(node) and not node.children else None

@@ -86,11 +86,16 @@ def chat(srv: SGLangServer, model_dir: Path, messages: list[dict]) -> tuple[str,
 
 
 def scenario(srv: SGLangServer, model_dir: Path) -> dict:
-    """Three conversations on one new system prompt (user turns of 100 tokens: the extend's own last
-    grid point, 320, is not the system prompt's end), then two questions on each of two new
-    documents, the first document named by its first request."""
+    """Two questions on a document without a hint (the control), three conversations on one new
+    system prompt (user turns of 100 tokens: the extend's own last grid point, 320, is not the
+    system prompt's end), then two questions on a document named by its first request."""
     system = text(words(SYSTEM, 1))
     out: dict = {}
+    # The control first: a document without a hint, while no divergence has been seen (the tail
+    # prior learns from 2, so after the conversations below it would plan a state here itself).
+    plain_doc = words(DOC, 3)
+    first = srv.generate(plain_doc + words(100, 30), 4)
+    again = srv.generate(plain_doc + words(90, 31), 4)
     replies, cached = [], []
     for k in range(3):
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": text(words(100, 10 + k))}]
@@ -105,9 +110,6 @@ def scenario(srv: SGLangServer, model_dir: Path) -> dict:
         doc + words(100, 20), 4, sampling_params={"custom_params": {"sparse_checkpoints": [DOC]}}
     )
     second = srv.generate(doc + words(90, 21), 4)
-    plain_doc = words(DOC, 3)  # a second document, no hint
-    first = srv.generate(plain_doc + words(100, 30), 4)
-    again = srv.generate(plain_doc + words(90, 31), 4)
     out["gen"] = [r.output_ids for r in (hinted, second, first, again)]
     out["gen_cached"] = [r.cached_tokens for r in (hinted, second, first, again)]
     return out
@@ -141,7 +143,7 @@ def test_request_hint_resumes_the_second_question_at_the_document_end(runs: dict
     sp = runs["sparse"]
     hinted, second, first, again = sp["gen_cached"]
     assert second == DOC, sp["gen_cached"]  # named by the first request
-    assert again == 0, sp["gen_cached"]  # without a hint (and probation off) nothing was there
+    assert again == 0, sp["gen_cached"]  # no hint, probation off, no prior yet: nothing was there
     assert sp["gen"] == runs["nocache"]["gen"]
     s = sp["stats"]
     assert s["invariant_violations"] == 0 and s["mirror_errors"] == 0, s

@@ -292,3 +292,28 @@ def test_chunk_cut_capture_on_extra_buffer(model_dir: Path, reference: dict) -> 
     assert s["kv_protected"] == 0 and s["mamba_protected"] == 0, s
     assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
     assert "capture=cut" in log and "Traceback" not in log
+
+
+def test_tail_prior_plans_a_new_prompts_divergence(model_dir: Path) -> None:
+    """The tail prior learns on the real server (SGLang splits the edge where a match ends, so the
+    match ends one node above the leaf it diverged from) and plans first-sight states: after two
+    prompts each seen twice (the user turn diverges ~20 tokens before the end), the *second*
+    request on a third, longer prompt resumes at the grid point below its divergence (640 for a
+    700-token prompt). SGLang's own extra_buffer keeps chunk-end states only (512 here)."""
+
+    def run(extra: list[str]) -> list[int]:
+        srv = _server(model_dir, extra, eb=True, state_slots=32)
+        try:
+            out = []
+            for k, head in enumerate((300, 420, 700)):
+                prefix = toks(head, 60 + k)
+                for q in range(2):
+                    out.append(srv.generate(prefix + toks(18 + q, 70 + 10 * k + q), 1).cached_tokens)
+            return out
+        finally:
+            srv.stop()
+
+    sparse, native = run(SPARSE), run([])
+    print("tail prior: cached sparse", sparse, "native_eb", native)
+    assert sparse[5] == 640, sparse
+    assert native[5] < 640, native
