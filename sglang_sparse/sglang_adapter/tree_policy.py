@@ -307,10 +307,12 @@ class TreePolicy:
         positions = cp.positions
         cuts = tuple(q for q in positions if engine_prefix < q < n)
         # A continuation is expected from evidence, not from the cold start's last-token guess:
-        # this request continues a sequence's end itself (a session turn), or the warm tail prior
-        # planned a state past the prompt.
-        past = any(q > n and q not in cp.probation for q in positions)
-        exact = past and (extends_leaf(m) or self.cache.tail.observations >= TAIL_WARMUP)
+        # this request continues a sequence's end itself (a session turn: its planned finish,
+        # even on probation), or the warm tail prior planned a state past the prompt.
+        past = [q for q in positions if q > n]
+        planned_past = any(q not in cp.probation for q in past)
+        warm = self.cache.tail.observations >= TAIL_WARMUP
+        exact = bool(past) and (extends_leaf(m) or (planned_past and warm))
         p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv), cp.probation, exact)
         self._plans[rid] = p
         if len(self._plans) > _MAX_PLANS:
@@ -333,10 +335,12 @@ class TreePolicy:
     def wants_exact_finish(self, rid: str) -> bool:
         """Is a later request expected to continue ``rid`` exactly at its end, so the engine should
         keep the finish state at the end of its key rather than on its grid? Yes when the plan holds
-        a normal (not probation) position past the prompt and that comes from evidence: ``rid``
-        itself continues a sequence's end (a session turn), or the tail prior is warm. The cold
-        start's last-token guess does not count (an exact copy there displaced first-sight states
-        under pool pressure). A request without a plan: no (engine behaviour)."""
+        a position past the prompt and that comes from evidence: ``rid`` itself continues a
+        sequence's end (a session turn; its finish may be on probation when the warm tail prior
+        puts little mass on continuations), or the plan holds a normal (not probation) position
+        past the prompt and the tail prior is warm. The cold start's last-token guess does not
+        count (an exact copy there displaced first-sight states under pool pressure). A request
+        without a plan: no (engine behaviour)."""
         p = self._plans.get(rid)
         return p is not None and p.exact_finish
 
@@ -458,9 +462,9 @@ class TreePolicy:
         :meth:`admit`) come first, oldest first (their key, :data:`PROBATION_KEY` + recency). The
         caller skips handles that are locked or gone and falls back to its own order when this
         runs out (also if another eviction round starts before this one is consumed: the rows it
-        reads are then stale)."""
+        reads are then stale). Handles in :attr:`protected` are skipped."""
         self.stats.eviction_walks += 1
-        seen: set[int] = set()
+        seen: set[int] = set(self.protected)
         key, nodes, _, _, _ = self._round()
         at = self._rounds
         for i in self.cache.evictor.index.order(key):
