@@ -234,6 +234,65 @@ def test_admission_decides_every_offered_state_and_probation_goes_first() -> Non
     assert off.stats.ckpt_rejected == 1
 
 
+def test_a_plans_own_states_are_protected_from_its_own_captures() -> None:
+    """The states a request's plan stored (planned, probation, finish; not spare ones) are its
+    own while it runs: an eviction walk inside ``protecting`` skips them (a capture does not evict
+    the same plan's earlier states), outside it they go in the usual order; finishing forgets them."""
+    pol = _policy("sparse")
+    eng = MiniEngine(pol)
+    doc = list(range(1000, 1300))
+    node, d, r = eng.match(doc)
+    plan = pol.plan("a", len(doc), 2, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    first = min(plan.probation)
+    assert pol.admit("a", first, finished=False, free_slots=0)
+    guess = eng.insert(doc[:first])
+    pol.end_checkpoint()
+    unplanned = next(q for q in range(64, len(doc), 64) if q not in plan.positions)
+    assert pol.admit("a", unplanned, finished=False, free_slots=1)  # a spare: not the plan's own
+    spare = eng.insert(doc[:unplanned])
+    pol.end_checkpoint()
+    other = eng.insert(list(range(100, 200)))  # no plan: SGLang's own state
+    assert pol.own_states(["a"]) == {guess.id} and pol.own_states(["b"]) == frozenset()
+    order = list(pol.eviction_order())
+    assert order.index(spare.id) < order.index(guess.id) < order.index(other.id), order
+    with pol.protecting(pol.own_states(["a"])):
+        assert list(pol.eviction_order()) == [h for h in order if h != guess.id]
+    assert list(pol.eviction_order()) == order and pol.protected == frozenset()
+    pol.finish("a", doc, [1, 2])
+    assert pol.own_states(["a"]) == frozenset()
+
+
+def test_a_session_turn_wants_an_exact_finish_even_when_the_warm_prior_does_not() -> None:
+    """Exact finish (extra_buffer: the finish state at the key's end, not on the grid) needs
+    evidence of a continuation. A warm tail prior that saw only mid-leaf divergences plans no
+    normal state past the prompt, so the finish is on probation; a request that itself continues a
+    sequence's end (a session turn) still wants it exact, a first-sight prompt does not."""
+    pol = _policy("sparse")
+    eng = MiniEngine(pol)
+    for i in range(3):  # documents with two questions each: the prior learns ~100-token suffixes
+        doc = [10_000 * (i + 1) + k for k in range(300)]
+        for q in range(2):
+            toks = doc + [9_000 + 100 * q + k for k in range(100)]
+            node, d, r = eng.match(toks)
+            pol.plan(f"d{i}{q}", len(toks), 1, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+            eng.insert(toks, finished=True)
+            pol.finish(f"d{i}{q}", toks, [1])
+    assert pol.cache.tail.observations >= 2 and pol.cache.tail.continuation_share() == 0.0
+    turn1 = [5_000 + k for k in range(250)]
+    node, d, r = eng.match(turn1)
+    p1 = pol.plan("t1", len(turn1), 16, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    assert 265 in p1.positions and 265 in p1.probation and not p1.exact_finish  # first sight
+    # extra_buffer keeps turn 1's KV and state up to its grid point 256 of its 265-token key
+    kept = eng.insert((turn1 + [1] * 15)[:256])
+    pol.on_insert(kept.id, finished=True, seq_len=265)
+    pol.finish("t1", turn1, [1] * 16)
+    turn2 = turn1 + [1] * 16 + [7] * 30
+    node, d, r = eng.match(turn2)
+    assert d == 256 and not node.children  # continues turn 1's sequence, as far as it was kept
+    p2 = pol.plan("t2", len(turn2), 16, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    assert 311 in p2.probation and p2.exact_finish, p2
+
+
 def test_alpha_tuned_once_by_default() -> None:
     """Default ``retune=0``: one tuning replay, then no more windows (no snapshots of SGLang's
     tree, no replays) however the hit rate moves."""

@@ -234,7 +234,7 @@ class SparseMambaComponent(MambaComponent):
         mirror drift; ``node_by_id`` would raise ``KeyError``) is skipped, and the LRU list is read
         in full before its first node is yielded (walking it past an evicted node asserts)."""
         arena = self.tree_core._node_arena.get  # noqa: SLF001 - None for a node SGLang deleted
-        seen: set[int] = set()
+        seen: set[int] = set(self.cache.policy.protected)  # the LRU rest skips them too
         for h in self.cache.policy.eviction_order():
             x = arena(h)
             if x is not None:

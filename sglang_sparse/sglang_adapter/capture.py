@@ -191,7 +191,11 @@ class CaptureRadixCache(SparseRadixCache):
         if short > 0:
             from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-            self.evict(EvictParams(mamba_num=short))
+            # A plan never evicts its own earlier states to store later ones: the deepest
+            # captures are dropped instead (below) if nothing else can go.
+            own = self.policy.own_states(batch.reqs[w[0]].rid for w in want)
+            with self.policy.protecting(own):
+                self.evict(EvictParams(mamba_num=short))
         n = min(len(want), max(int(alloc.available_size()) - reserve, 0))
         if n < len(want):
             # Deterministic drop: keep the shallowest positions (they serve the most later

@@ -30,6 +30,7 @@ Everything is a deterministic function of the request stream: logical clocks, no
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -200,6 +201,12 @@ class TreePolicy:
         self._rounds = 0  # eviction rounds computed (a walk's frozen keys stay valid while unchanged)
         #: the probation tier of the next state SGLang attaches (:meth:`admit` said so; 0: none)
         self._probation_next = 0
+        #: the request whose plan admitted the next state SGLang attaches (None: a spare or no plan)
+        self._owner_next: str | None = None
+        #: rid -> SGLang node ids of the states its plan stored (while the request runs)
+        self._own: dict[str, set[int]] = {}
+        #: state handles an eviction walk skips (:meth:`protecting`)
+        self.protected: frozenset[int] = frozenset()
 
     @property
     def alpha(self) -> float:
@@ -238,7 +245,10 @@ class TreePolicy:
             self.stats.states_inserted += 1
             if self._probation_next:
                 self.cache.probation[node_id] = self._probation_next
+            if self._owner_next is not None:
+                self._own.setdefault(self._owner_next, set()).add(node_id)
         self._probation_next = 0
+        self._owner_next = None
 
     def on_state_freed(self, node_id: int) -> None:
         self.cache.probation.pop(node_id, None)
@@ -297,14 +307,16 @@ class TreePolicy:
         positions = cp.positions
         cuts = tuple(q for q in positions if engine_prefix < q < n)
         # A continuation is expected from evidence, not from the cold start's last-token guess:
-        # this request continues a sequence's end itself (a session turn), or the warm tail prior
-        # planned a state past the prompt.
-        past = any(q > n and q not in cp.probation for q in positions)
-        exact = past and (extends_leaf(m) or self.cache.tail.observations >= TAIL_WARMUP)
+        # this request continues a sequence's end itself (a session turn: its planned finish,
+        # even on probation), or the warm tail prior planned a state past the prompt.
+        past = [q for q in positions if q > n]
+        planned_past = any(q not in cp.probation for q in past)
+        warm = self.cache.tail.observations >= TAIL_WARMUP
+        exact = bool(past) and (extends_leaf(m) or (planned_past and warm))
         p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv), cp.probation, exact)
         self._plans[rid] = p
         if len(self._plans) > _MAX_PLANS:
-            self._plans.popitem(last=False)
+            self._own.pop(self._plans.popitem(last=False)[0], None)
         s = self.stats
         s.requests += 1
         s.hit_requests += int(engine_prefix > 0)
@@ -323,10 +335,12 @@ class TreePolicy:
     def wants_exact_finish(self, rid: str) -> bool:
         """Is a later request expected to continue ``rid`` exactly at its end, so the engine should
         keep the finish state at the end of its key rather than on its grid? Yes when the plan holds
-        a normal (not probation) position past the prompt and that comes from evidence: ``rid``
-        itself continues a sequence's end (a session turn), or the tail prior is warm. The cold
-        start's last-token guess does not count (an exact copy there displaced first-sight states
-        under pool pressure). A request without a plan: no (engine behaviour)."""
+        a position past the prompt and that comes from evidence: ``rid`` itself continues a
+        sequence's end (a session turn; its finish may be on probation when the warm tail prior
+        puts little mass on continuations), or the plan holds a normal (not probation) position
+        past the prompt and the tail prior is warm. The cold start's last-token guess does not
+        count (an exact copy there displaced first-sight states under pool pressure). A request
+        without a plan: no (engine behaviour)."""
         p = self._plans.get(rid)
         return p is not None and p.exact_finish
 
@@ -365,6 +379,7 @@ class TreePolicy:
           ends the chunk size makes, they never displace a planned or first-sight state, and the
           states a request keeps beyond them do not depend on the chunk size."""
         self._probation_next = 0
+        self._owner_next = None
         p = self._plans.get(rid)
         if p is None:
             self.stats.ckpt_final += int(finished)
@@ -376,11 +391,13 @@ class TreePolicy:
                 self.stats.ckpt_rejected += 1
                 return False
             self.stats.ckpt_final += 1
+            self._owner_next = rid
             if all(q in p.probation for q in past):
                 self._probation_next = PROBATION
                 self.stats.ckpt_probation += 1
             return True
         if position in p.positions:
+            self._owner_next = rid
             if position in p.probation:
                 self._probation_next = PROBATION
                 self.stats.ckpt_probation += 1
@@ -397,6 +414,25 @@ class TreePolicy:
     def end_checkpoint(self) -> None:
         """The engine finished one checkpoint (whether or not a state was attached)."""
         self._probation_next = 0
+        self._owner_next = None
+
+    def own_states(self, rids: Iterable[str]) -> frozenset[int]:
+        """SGLang node ids of the states the plans of ``rids`` stored while they run (planned and
+        probation positions, finishes; not spare states)."""
+        out: set[int] = set()
+        for rid in rids:
+            out |= self._own.get(rid, set())
+        return frozenset(out)
+
+    @contextlib.contextmanager
+    def protecting(self, handles: frozenset[int]) -> Iterator[None]:
+        """State eviction walks inside the block skip ``handles`` (see :mod:`.capture`: a
+        request's captures never evict the states its own plan stored earlier)."""
+        prev, self.protected = self.protected, frozenset(handles)
+        try:
+            yield
+        finally:
+            self.protected = prev
 
     def is_speculative(self, node_id: int) -> bool:
         """Whether the state at ``node_id`` is on probation (evicted before every other state)."""
@@ -426,9 +462,9 @@ class TreePolicy:
         :meth:`admit`) come first, oldest first (their key, :data:`PROBATION_KEY` + recency). The
         caller skips handles that are locked or gone and falls back to its own order when this
         runs out (also if another eviction round starts before this one is consumed: the rows it
-        reads are then stale)."""
+        reads are then stale). Handles in :attr:`protected` are skipped."""
         self.stats.eviction_walks += 1
-        seen: set[int] = set()
+        seen: set[int] = set(self.protected)
         key, nodes, _, _, _ = self._round()
         at = self._rounds
         for i in self.cache.evictor.index.order(key):
@@ -510,6 +546,7 @@ class TreePolicy:
         called once per window, when the window begins. Never raises: a tuning failure is logged
         and the alpha in use is kept."""
         p = self._plans.pop(rid, None)
+        self._own.pop(rid, None)
         self.stats.finished += 1
         if not self.tuning:
             return

@@ -210,6 +210,7 @@ def _bare_capture_cache(reject: set[int] = frozenset()):
         ("captures_published", "captures_rejected", "captures_freed", "captures_incomplete"), 0
     )
     cache.req_to_token_pool = types.SimpleNamespace(mamba_allocator=_Alloc())
+    cache.tree_core = types.SimpleNamespace(page_size=1)
     cache.policy = _Policy(set(reject))
     return cache
 
@@ -244,7 +245,10 @@ def test_publish_order_admission_and_frees_without_a_server() -> None:
 
     cache.checkpoint_into_tree = fake_insert
     kv = types.SimpleNamespace(cache_protected_len=64)
-    req = types.SimpleNamespace(rid="r", finished_reason="done", kv=kv)
+    # a finished request whose cache key (400 + 2 - 1 tokens) no published capture reaches
+    req = types.SimpleNamespace(
+        rid="r", finished_reason="done", kv=kv, origin_input_ids=[5] * 400, output_ids=[6, 7]
+    )
     _pending(cache, "r", [256, 128, 64, 192, 400], [11, 12, 13, 14, 15])
     cache.publish_captures(req, up_to=300)
     assert inserts == [(128, 12, None), (256, 11, None)]  # finished masked during each insert

@@ -162,7 +162,7 @@ def test_sparse_on_extra_buffer_reuses_and_leaks_nothing(runs: dict) -> None:
     # the session: turn 2 continues turn 1's sequence end, so its plan expects a continuation and
     # it finishes exactly at the end of its key (the exact finish track, decode_track.py): turn 3
     # (296 + 16 tokens, key 311, page-aligned down) resumes there; native_eb stops at its last grid
-    # point (256). Turn 1 (a first sight, cold tail prior) keeps its grid point, as native_eb.
+    # point (256). Turn 1 (a first sight: its finish only on probation) keeps its grid point, as native_eb.
     page = runs["page"]
     assert sp["cached"][-1] == 311 // page * page, sp["cached"]
     assert sp["cached"][-2] >= 256, sp["cached"]
