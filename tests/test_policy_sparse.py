@@ -34,6 +34,30 @@ def test_tail_prior_places_a_checkpoint_just_before_where_leaves_diverge() -> No
         TailPrior(min_share=0)
 
 
+def test_exact_tail_grid_places_the_state_at_the_predicted_divergence() -> None:
+    """With a capture free at any page (``exact_grid``), the tail prior's positions are the
+    predicted depths themselves, page-aligned: a fixed-length question after a document gets its
+    state at the document's end, not at the 64-token grid point below; the same number of states,
+    and the grid-only prior is unchanged."""
+    grid_only = TailPrior(gamma=1.0, min_share=0.2)
+    exact = TailPrior(gamma=1.0, min_share=0.2, exact_grid=1)
+    paged = TailPrior(gamma=1.0, min_share=0.2, exact_grid=16)
+    for t in (grid_only, exact, paged):
+        for _ in range(3):
+            t.observe_suffix(48)
+    assert grid_only.positions(0, 955, 2) == [896]
+    assert exact.positions(0, 955, 2) == [907]
+    assert paged.positions(0, 955, 2) == [896]  # 907 aligned down to 16-token pages
+    assert paged.positions(0, 1000, 2) == [944]
+    for t in (exact, grid_only):
+        for _ in range(12):
+            t.observe_suffix(0)
+    assert exact.positions(0, 955, 2) == [907, 955] and grid_only.positions(0, 955, 2) == [896, 955]
+    assert exact.positions(910, 955, 2) == [955]  # only what lies on the new leaf
+    with pytest.raises(ValueError, match="exact_grid"):
+        TailPrior(exact_grid=0)
+
+
 def test_min_share_drops_rare_positions() -> None:
     t = TailPrior(gamma=1.0, min_share=0.3)
     for s in [0] * 8 + [1000] * 2:  # 20% of divergences far from the end

@@ -293,6 +293,28 @@ def test_a_session_turn_wants_an_exact_finish_even_when_the_warm_prior_does_not(
     assert 311 in p2.probation and p2.exact_finish, p2
 
 
+def test_a_finish_that_offers_a_planned_depth_inside_the_prompt_keeps_it() -> None:
+    """extra_buffer: a request that finishes in the extend that computed its prompt
+    (max_new_tokens=1) offers SGLang's own grid snapshot inside the prompt with its finish. If the
+    plan wants that depth (here the branch point) it is kept as a planned state, not judged as a
+    finish (which wants a state past the prompt: there is none with one new token)."""
+    pol = _policy("sparse")
+    eng = MiniEngine(pol)
+    doc = list(range(1000, 1300))
+    eng.insert(doc + [1] * 40)
+    q = doc + [2] * 40
+    node, d, r = eng.match(q)
+    assert d == 300
+    plan = pol.plan("b", len(q), 1, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    assert 256 in plan.positions and 256 not in plan.probation, plan  # the branch point
+    assert pol.admit("b", 256, finished=True, free_slots=0)
+    state = eng.insert(q[:256])
+    pol.end_checkpoint()
+    assert not pol.is_speculative(state.id) and pol.stats.ckpt_admitted == 1
+    assert pol.own_states(["b"]) == {state.id}
+    assert not pol.admit("b", 192, finished=True, free_slots=0)  # unplanned, nothing past the prompt
+
+
 def test_alpha_tuned_once_by_default() -> None:
     """Default ``retune=0``: one tuning replay, then no more windows (no snapshots of SGLang's
     tree, no replays) however the hit rate moves."""

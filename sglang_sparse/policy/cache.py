@@ -117,6 +117,7 @@ class HybridCache:
         fit_tokens: int | None = None,
         probation_budget: int = DEFAULT_PROBATION_BUDGET,
         branch_grid: int | None = None,
+        tail_grid: int | None = None,
     ) -> None:
         self.spec = get_policy(policy)
         if cost is not None:
@@ -156,7 +157,11 @@ class HybridCache:
             raise ValueError(f"min_cut_gain must be >= 0, got {min_cut_gain}")
         #: engine cost model of captures inside a prefill (tokens); see :meth:`capture_plan`
         self.min_cut_gain = int(min_cut_gain)
-        self.tail = TailPrior(gamma, grid=grid)
+        if tail_grid is not None and tail_grid < 1:
+            raise ValueError(f"tail_grid must be >= 1, got {tail_grid}")
+        #: the tail prior's candidates: ``grid`` points, or the predicted depths aligned to a finer
+        #: ``tail_grid`` (an engine that captures anywhere in a prefill; see :class:`.TailPrior`)
+        self.tail = TailPrior(gamma, grid=grid, exact_grid=tail_grid)
         if fit_tokens is not None and fit_tokens < 0:
             raise ValueError(f"fit_tokens must be >= 0, got {fit_tokens}")
         #: the most KV tokens the cache can hold next to one state (tokens): a sequence longer than

@@ -13,6 +13,13 @@ on a leaf edge at depth ``d``. For a new leaf ``(a, b]`` it maps the law to dept
 lets the exact DP choose up to ``budget`` positions on the grid (plus ``b`` itself, the last-token
 state), keeping only positions that serve at least ``min_share`` of the prior mass: a checkpoint
 costs a whole recurrent state, so an unlikely position is not worth capturing.
+
+With a finer ``exact_grid`` (an engine that captures a state at any page-aligned depth inside a
+prefill, e.g. the page size) the candidates are the predicted depths themselves, aligned down to
+that grid, and ``b``: the optimum of the one-sided k-median lies on them (moving a position up to
+the next predicted depth serves the same requests from deeper), so a suffix that repeats exactly
+(a fixed-length question after a document) gets its state at the divergence, not up to a grid
+step below it.
 """
 
 from __future__ import annotations
@@ -25,12 +32,22 @@ from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram, DepthLaw, grid
 class TailPrior:
     """EW law of suffix distances (tokens) at which requests diverge from leaves."""
 
-    def __init__(self, gamma: float = 0.99, min_share: float = 0.2, grid: int = DEFAULT_GRID) -> None:
+    def __init__(
+        self,
+        gamma: float = 0.99,
+        min_share: float = 0.2,
+        grid: int = DEFAULT_GRID,
+        exact_grid: int | None = None,
+    ) -> None:
         if not 0.0 < min_share <= 1.0:
             raise ValueError(f"min_share must be in (0, 1], got {min_share}")
+        if exact_grid is not None and exact_grid < 1:
+            raise ValueError(f"exact_grid must be >= 1, got {exact_grid}")
         self.hist = DepthHistogram(gamma, refresh=1)
         self.min_share = float(min_share)
         self.grid = int(grid)
+        #: alignment (tokens) of the candidates at the predicted depths; ``grid``: the grid only
+        self.exact_grid = int(grid if exact_grid is None else exact_grid)
 
     def observe_suffix(self, suffix: int) -> None:
         """Record that a request diverged ``suffix`` tokens before the end of a leaf (0 = continued)."""
@@ -60,7 +77,13 @@ class TailPrior:
         if not np.any(keep):
             return []
         depths, w = depths[keep], w[keep]
-        law = DepthLaw.from_depths(depths, w, grid_candidates(end, self.grid, start, include_end=True), start)
+        if self.exact_grid < self.grid:
+            g = self.exact_grid
+            cand = np.unique(np.append(depths // g * g, end))
+            cand = cand[cand > start]
+        else:
+            cand = grid_candidates(end, self.grid, start, include_end=True)
+        law = DepthLaw.from_depths(depths, w, cand, start)
         plan = solve_dp(law, budget).positions
         if not plan:
             return []

@@ -32,6 +32,13 @@ variable (JSON key)                default    meaning
                                                earlier resume there). Opt-in: it lifts the document and
                                                system-prompt slices, but two states per branch push
                                                first-sight states out of a small state pool
+``SGLANG_SPARSE_TAIL_GRID``         auto       where the tail prior puts a new leaf's positions (int >= 1,
+(``tail_grid``)                                a multiple of --page-size): below ``grid`` they sit at the
+                                               predicted divergence depths (aligned to it), not on the
+                                               ``grid`` below them (same number of states). Auto: ``grid``.
+                                               A finer value needs ``capture=forward`` or no_buffer on
+                                               extra_buffer. Opt-in: it lifts fixed-length questions after a
+                                               document but loses the grid's slack where suffixes vary
 ``SGLANG_SPARSE_MIN_CUT_GAIN``      auto       engine cost of a capture inside a prefill, in tokens: a
 (``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
                                                the resume point or the previous capture (each one costs an
@@ -95,6 +102,7 @@ class SparseConfig:
     grid: int | None = None  # None: the engine's state grid (resolved by the backend factory)
     min_cut_gain: int | None = None  # None: 0 with capture=forward, CUT_MIN_GAIN with cut
     branch_grid: int | None = None  # None: grid
+    tail_grid: int | None = None  # None: grid
     tune_window: int = 200
     retune: bool = False
     log_every: int = 100
@@ -251,6 +259,7 @@ _PARSERS = {
     "grid": lambda s, v: _int(s, v, 1),
     "min_cut_gain": lambda s, v: _int(s, v, 0),
     "branch_grid": lambda s, v: _int(s, v, 1),
+    "tail_grid": lambda s, v: _int(s, v, 1),
     "tune_window": lambda s, v: _int(s, v, 1),
     "retune": _bool,
     "log_every": lambda s, v: _int(s, v, 0),

@@ -186,13 +186,16 @@ def launcher_problems(server_args: Any) -> list[str]:
 
 
 def _branch_grid_problems(config: Any, page: int) -> list[str]:
-    """``SGLANG_SPARSE_BRANCH_GRID`` against ``--page-size`` (launcher and factory alike)."""
-    if config.branch_grid is not None and config.branch_grid % page:
-        return [
-            f"SGLANG_SPARSE_BRANCH_GRID={config.branch_grid} must be a multiple of --page-size {page} "
-            "(the KV match is page-aligned)"
-        ]
-    return []
+    """``SGLANG_SPARSE_BRANCH_GRID`` and ``SGLANG_SPARSE_TAIL_GRID`` against ``--page-size``
+    (launcher and factory alike)."""
+    out = []
+    for env, value in (("BRANCH_GRID", config.branch_grid), ("TAIL_GRID", config.tail_grid)):
+        if value is not None and value % page:
+            out.append(
+                f"SGLANG_SPARSE_{env}={value} must be a multiple of --page-size {page} "
+                "(the KV match is page-aligned)"
+            )
+    return out
 
 
 def _server_args_hook(result, *args, **kwargs):
@@ -474,14 +477,21 @@ def sparse_cache_factory(ctx: Any):
     # is opt-in: it lifts doc_qa / system_prompts but its two states per branch push first-sight
     # states out of a small state pool (docs/sparse_backend.md).
     off_grid = capture == "forward" or not extra_buffer
-    if config.branch_grid is not None and not off_grid and config.branch_grid % state_grid:
-        raise SparseBackendError(
-            f"--radix-cache-backend sparse: SGLANG_SPARSE_BRANCH_GRID={config.branch_grid} must be a "
-            f"multiple of the state grid {state_grid} with extra_buffer and capture=cut (SGLang "
-            "snapshots states only there)"
-        )
+    for env, value in (("BRANCH_GRID", config.branch_grid), ("TAIL_GRID", config.tail_grid)):
+        if value is not None and not off_grid and value % state_grid:
+            raise SparseBackendError(
+                f"--radix-cache-backend sparse: SGLANG_SPARSE_{env}={value} must be a multiple of "
+                f"the state grid {state_grid} with extra_buffer and capture=cut (SGLang snapshots "
+                "states only there)"
+            )
     branch_grid = config.branch_grid if config.branch_grid is not None else grid
-    config = dataclasses.replace(config, capture=capture, grid=grid, branch_grid=branch_grid)
+    # The tail prior's positions (a new leaf's predicted divergences): on the grid below them by
+    # default. At the predicted depth itself (a finer value, opt-in) they lift doc_qa's fixed-length
+    # questions but lose the grid's slack where suffix lengths vary (docs/sparse_backend.md).
+    tail_grid = config.tail_grid if config.tail_grid is not None else grid
+    config = dataclasses.replace(
+        config, capture=capture, grid=grid, branch_grid=branch_grid, tail_grid=tail_grid
+    )
     policy = TreePolicy(
         config,
         budget_bytes=budget,

@@ -170,6 +170,7 @@ class TreePolicy:
             fit_tokens=self.fit_tokens,
             probation_budget=self.config.probation,
             branch_grid=self.config.branch_grid,  # None (auto) outside the factory: the grid
+            tail_grid=self.config.tail_grid,  # None (auto) outside the factory: the grid
         )
         if tree is not cache.tree:
             cache.use_tree(tree)
@@ -367,11 +368,14 @@ class TreePolicy:
         every state, whatever the engine offers it for (chunk end, prompt end, finish, capture):
 
         * a request without a plan (not admitted through our adder) keeps SGLang's behaviour;
-        * a planned position: kept; a position the plan keeps on probation (a first-sight guess):
-          kept on probation (the next state attached, :meth:`on_state_set`, is evicted before every
-          normal state until a request resumes from it);
-        * the finish (the engine ends the sequence wherever it stops, at most ``total_len``): kept
-          if the plan wants a state past the prompt, on probation if only a probation one;
+        * a planned position, whatever offers it (a finish too: on extra_buffer a request that
+          finishes in its last extend offers SGLang's grid snapshot inside the prompt): kept; a
+          position the plan keeps on probation (a first-sight guess): kept on probation (the next
+          state attached, :meth:`on_state_set`, is evicted before every normal state until a
+          request resumes from it);
+        * the finish at any other depth (the engine ends the sequence wherever it stops, at most
+          ``total_len``): kept if the plan wants a state past the prompt, on probation if only a
+          probation one;
         * anything else (an unplanned chunk end or prompt end, which the engine computed anyway):
           a *spare* state, kept (lower still than probation) only while probation is on
           (``SGLANG_SPARSE_PROBATION`` > 0) and it takes a free slot (``free_slots`` > 0, before
@@ -385,6 +389,18 @@ class TreePolicy:
             self.stats.ckpt_final += int(finished)
             self.stats.ckpt_admitted += int(not finished)
             return True
+        if position in p.positions:
+            # Also a finish that offers a planned depth: on extra_buffer a request that finishes in
+            # the extend that computed it (max_new_tokens=1) offers SGLang's own grid snapshot
+            # there, at its real depth inside the prompt.
+            self._owner_next = rid
+            self.stats.ckpt_final += int(finished)
+            if position in p.probation:
+                self._probation_next = PROBATION
+                self.stats.ckpt_probation += 1
+            else:
+                self.stats.ckpt_admitted += 1
+            return True
         if finished:
             past = [q for q in p.positions if q > p.input_len]
             if not past:
@@ -395,14 +411,6 @@ class TreePolicy:
             if all(q in p.probation for q in past):
                 self._probation_next = PROBATION
                 self.stats.ckpt_probation += 1
-            return True
-        if position in p.positions:
-            self._owner_next = rid
-            if position in p.probation:
-                self._probation_next = PROBATION
-                self.stats.ckpt_probation += 1
-            else:
-                self.stats.ckpt_admitted += 1
             return True
         if self.config.probation > 0 and (free_slots > 0 or SPARE in self.cache.probation.values()):
             self._probation_next = SPARE

@@ -353,6 +353,7 @@ def test_unknown_policy_lists_only_serving_policies() -> None:
         ({"SGLANG_SPARSE_GRID": "0"}, "SGLANG_SPARSE_GRID='0': must be >= 1"),
         ({"SGLANG_SPARSE_MIN_CUT_GAIN": "-3"}, "SGLANG_SPARSE_MIN_CUT_GAIN='-3': must be >= 0"),
         ({"SGLANG_SPARSE_BRANCH_GRID": "0"}, "SGLANG_SPARSE_BRANCH_GRID='0': must be >= 1"),
+        ({"SGLANG_SPARSE_TAIL_GRID": "0"}, "SGLANG_SPARSE_TAIL_GRID='0': must be >= 1"),
         ({"SGLANG_SPARSE_POLICY": "oracle"}, "simulator only"),
         ({"SGLANG_SPARSE_POLCY": "lru"}, "unknown variable SGLANG_SPARSE_POLCY"),
         (
@@ -382,6 +383,14 @@ def test_config_sources(tmp_path: Path) -> None:
     assert SparseConfig.from_env({"SGLANG_SPARSE_MIN_CUT_GAIN": "0"}).min_cut_gain == 0
     assert SparseConfig.from_env({}).branch_grid is None  # auto: the policy's grid
     assert SparseConfig.from_env({"SGLANG_SPARSE_BRANCH_GRID": "64"}).branch_grid == 64
+    assert SparseConfig.from_env({}).tail_grid is None  # auto: the policy's grid
+    assert SparseConfig.from_env({"SGLANG_SPARSE_TAIL_GRID": "16"}).tail_grid == 16
+    from sglang_sparse.sglang_adapter.plugin import _branch_grid_problems
+
+    bad = SparseConfig.from_env({"SGLANG_SPARSE_TAIL_GRID": "8", "SGLANG_SPARSE_BRANCH_GRID": "32"})
+    assert _branch_grid_problems(bad, 16) == [
+        "SGLANG_SPARSE_TAIL_GRID=8 must be a multiple of --page-size 16 (the KV match is page-aligned)"
+    ]
 
 
 def test_the_flag_leaves_sglangs_strategy_resolution_alone() -> None:
