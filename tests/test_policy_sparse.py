@@ -54,6 +54,12 @@ def test_exact_tail_grid_places_the_state_at_the_predicted_divergence() -> None:
             t.observe_suffix(0)
     assert exact.positions(0, 955, 2) == [907, 955] and grid_only.positions(0, 955, 2) == [896, 955]
     assert exact.positions(910, 955, 2) == [955]  # only what lies on the new leaf
+    # two predicted depths 3 tokens apart, each with half the mass: one state at the shallower
+    # (a second one would save 3 tokens per hit for a whole state), not one per depth
+    near = TailPrior(gamma=1.0, min_share=0.2, exact_grid=1)
+    for s in (48, 51) * 3:
+        near.observe_suffix(s)
+    assert near.positions(0, 2032, 2) == [1981]
     with pytest.raises(ValueError, match="exact_grid"):
         TailPrior(exact_grid=0)
 

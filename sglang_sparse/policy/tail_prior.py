@@ -19,7 +19,8 @@ prefill, e.g. the page size) the candidates are the predicted depths themselves,
 that grid, and ``b``: the optimum of the one-sided k-median lies on them (moving a position up to
 the next predicted depth serves the same requests from deeper), so a suffix that repeats exactly
 (a fixed-length question after a document) gets its state at the divergence, not up to a grid
-step below it.
+step below it. Two positions less than one ``grid`` step apart keep only the shallower (besides
+``b``): the deeper saves fewer tokens than a grid step per hit, for a whole state.
 """
 
 from __future__ import annotations
@@ -85,6 +86,16 @@ class TailPrior:
             cand = grid_candidates(end, self.grid, start, include_end=True)
         law = DepthLaw.from_depths(depths, w, cand, start)
         plan = solve_dp(law, budget).positions
+        if self.exact_grid < self.grid:
+            # Off the grid the DP may split one cluster of predicted depths into states a few
+            # tokens apart: each extra one saves those few tokens at the cost of a whole state.
+            # A position closer than one grid step to the previous one is dropped (the previous
+            # one serves its requests); the last-token state is kept (continuations).
+            kept: list[int] = []
+            for p in plan:
+                if not kept or p == end or p - kept[-1] >= self.grid:
+                    kept.append(p)
+            plan = kept
         if not plan:
             return []
         total = float(w.sum())
