@@ -134,6 +134,10 @@ def _ephemeral_low(default: int = 32768) -> int:
         return default
 
 
+#: lowest port SGLang 0.5.23 picks for its own internal use (``get_free_port_below_ephemeral``)
+SGLANG_INTERNAL_PORTS_LOW = 22000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A currently free TCP port on ``host`` *below* the kernel's ephemeral range.
 
@@ -142,8 +146,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     the destination port the connection joins itself (TCP self-connect) and holds the port, so the
     server's own bind then fails with ``EADDRINUSE`` (seen once in CI: a 300 s start timeout). A
     port outside the ephemeral range can never be a client's source port.
+
+    Also below :data:`SGLANG_INTERNAL_PORTS_LOW`: each SGLang server picks its own internal ports
+    (``nccl_port``, the TCPStore) at random in ``[22000, 29999]`` while it starts, so a port handed
+    out there to a server starting at the same time (``serving_load.py`` starts its servers
+    concurrently) can be taken before that server binds it (seen in CI: ``EADDRINUSE`` on the
+    HTTP port of one of two servers started together).
     """
-    low = min(_ephemeral_low(), 32768)
+    low = min(_ephemeral_low(), 32768, SGLANG_INTERNAL_PORTS_LOW)
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(max(1024, low - 12000), low)
