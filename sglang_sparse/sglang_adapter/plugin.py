@@ -177,7 +177,7 @@ def launcher_problems(server_args: Any) -> list[str]:
             "use auto or extra_buffer for a paged KV cache"
         )
     if config is not None and page:
-        problems += _branch_grid_problems(config, int(page))
+        problems += _grid_option_problems(config, int(page))
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
     if getattr(server_args, "enable_hierarchical_cache", False):
@@ -185,7 +185,7 @@ def launcher_problems(server_args: Any) -> list[str]:
     return problems
 
 
-def _branch_grid_problems(config: Any, page: int) -> list[str]:
+def _grid_option_problems(config: Any, page: int) -> list[str]:
     """``SGLANG_SPARSE_BRANCH_GRID`` and ``SGLANG_SPARSE_TAIL_GRID`` against ``--page-size``
     (launcher and factory alike)."""
     out = []
@@ -387,7 +387,7 @@ def sparse_cache_factory(ctx: Any):
             f"SGLANG_SPARSE_GRID={config.grid} must be a multiple of the state grid {state_grid} "
             f"(lcm of the GDN chunk and --page-size {page}): extra_buffer states exist only there"
         )
-    problems += _branch_grid_problems(config, page)
+    problems += _grid_option_problems(config, page)
     if not p.chunked_prefill_size or p.chunked_prefill_size <= 0:
         problems.append("needs chunked prefill (--chunked-prefill-size N > 0): cuts are chunk ends")
     elif extra_buffer and p.chunked_prefill_size % state_grid:

@@ -385,10 +385,10 @@ def test_config_sources(tmp_path: Path) -> None:
     assert SparseConfig.from_env({"SGLANG_SPARSE_BRANCH_GRID": "64"}).branch_grid == 64
     assert SparseConfig.from_env({}).tail_grid is None  # auto: the policy's grid
     assert SparseConfig.from_env({"SGLANG_SPARSE_TAIL_GRID": "16"}).tail_grid == 16
-    from sglang_sparse.sglang_adapter.plugin import _branch_grid_problems
+    from sglang_sparse.sglang_adapter.plugin import _grid_option_problems
 
     bad = SparseConfig.from_env({"SGLANG_SPARSE_TAIL_GRID": "8", "SGLANG_SPARSE_BRANCH_GRID": "32"})
-    assert _branch_grid_problems(bad, 16) == [
+    assert _grid_option_problems(bad, 16) == [
         "SGLANG_SPARSE_TAIL_GRID=8 must be a multiple of --page-size 16 (the KV match is page-aligned)"
     ]
 
