@@ -356,3 +356,54 @@ def test_structural_edge_ends_are_not_planned() -> None:
     a.seq_end = False
     t.add_node(3, 1, 100, 13)  # a second child: 256 is a branch point
     assert t.planned_captures(t.match_result(2, 500, 0)) == [256, 448]
+
+
+def test_a_match_that_ends_on_an_edge_end_plans_that_branch_point() -> None:
+    """SGLang splits an edge where a match ends, so a request diverging inside an old edge finds a
+    single-child edge ending exactly at its divergence: a branch point (this request makes the
+    second child), planned at its exact depth, not skipped as a structural boundary."""
+    t = MirrorTree(KV_B, STATE_B, root_id=0)
+    t.add_node(1, 0, 300, 11)  # (0, 300]: SGLang's split where the match ends
+    t.add_node(2, 1, 40, 12)  # (300, 340]: the earlier request's tail, the only child so far
+    t.node(1).plan = (256, 300)
+    assert t.planned_captures(t.match_result(1, 300, 0)) == [256, 300]
+    # a match that passes through the same boundary to a deeper depth: structural, skipped
+    t.node(2).plan = (320,)
+    assert t.planned_captures(t.match_result(2, 330, 0)) == [256, 320]
+
+
+def test_a_first_sight_guess_gives_way_to_the_exact_divergence_it_led_to() -> None:
+    """A second request on a document resumes from a first-sight probation state inside it and
+    diverges at the document's end: its plan captures that exact depth (a normal state), and the
+    guess it resumed from becomes a spare state, first to be evicted (it only serves divergences
+    between the two depths, none seen), so learning where a prefix ends adds no state net."""
+    pol = _policy("sparse")
+    eng = MiniEngine(pol)
+    doc = list(range(1000, 1300))
+    a = doc + [1] * 40
+    node, d, r = eng.match(a)
+    plan = pol.plan("a", len(a), 1, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    g = max(p for p in plan.probation if p < len(doc))  # a first-sight guess inside the document
+    assert pol.admit("a", g, finished=False, free_slots=0)
+    guess = eng.insert(a[:g])
+    pol.end_checkpoint()
+    assert pol.is_speculative(guess.id)
+    eng.insert(a, finished=True)
+    pol.finish("a", a, [1])
+    q = doc + [2] * 40
+    node, d, r = eng.match(q)
+    assert (d, r) == (len(doc), g)
+    plan = pol.plan("b", len(q), 1, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    assert len(doc) in plan.positions and len(doc) not in plan.probation, plan
+    assert pol.stats.probation_hits == 1 and pol.stats.superseded == 1
+    assert pol.is_speculative(guess.id) and next(pol.eviction_order()) == guess.id
+    assert pol.admit("b", len(doc), finished=False, free_slots=0)
+    exact = eng.insert(q[: len(doc)])
+    pol.end_checkpoint()
+    assert not pol.is_speculative(exact.id)
+    # a request resuming from a normal state supersedes nothing
+    s = doc + [3] * 40
+    node, d, r = eng.match(s)
+    assert r == len(doc)
+    pol.plan("c", len(s), 1, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    assert pol.stats.superseded == 1 and not pol.is_speculative(exact.id)

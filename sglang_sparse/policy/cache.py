@@ -43,7 +43,7 @@ from .admission import capture_positions, marconi_branch_point
 from .chains import ChainTracker
 from .cost_model import ModelCostModel
 from .eviction import Evictor
-from .eviction_index import PROBATION
+from .eviction_index import PROBATION, SPARE
 from .probation import DEFAULT_PROBATION_BUDGET, ProbationPlanner
 from .registry import PolicySpec, get_policy
 from .tail_prior import TailPrior
@@ -323,6 +323,22 @@ class HybridCache:
         if h is None or h not in self.probation:
             return False
         del self.probation[h]
+        self.evictor.touch(match.ckpt_node)
+        return True
+
+    def supersede(self, match: MatchResult) -> bool:
+        """A request resumed from a first-sight guess (a probation state, promoted by
+        :meth:`observe`) and its plan captures the exact point where it diverges
+        (``match.kv_depth``): the guess, above that point on the same path, now serves only
+        requests that would diverge between the two depths, which none has yet. It becomes a
+        *spare* state (evicted first of all, see :mod:`.probation`) instead of a normal one, so a
+        request that learns where its prefix really ends adds no state net of the one it used, and
+        under pool pressure other prefixes' first-sight states are not pushed out for it. Returns
+        whether it was demoted. Call after :meth:`observe` and :meth:`plan`."""
+        h = match.ckpt_handle
+        if h is None or match.ckpt_node is None or h in self.probation:
+            return False
+        self.probation[h] = SPARE
         self.evictor.touch(match.ckpt_node)
         return True
 

@@ -96,6 +96,9 @@ class PolicyStats:
     ckpt_spare: int = 0
     #: requests that resumed from a probation or spare state (which then became a normal one)
     probation_hits: int = 0
+    #: first-sight guesses a request resumed from and then captured its exact divergence below:
+    #: demoted to spare (:meth:`~sglang_sparse.policy.cache.HybridCache.supersede`)
+    superseded: int = 0
     states_inserted: int = 0
     states_evicted: int = 0
     kv_leaves_evicted: int = 0
@@ -301,11 +304,15 @@ class TreePolicy:
         m = self._guard("match", self.mirror.match_result, kv_node_id, int(engine_kv), int(engine_prefix))
         if m is None:
             m = self.mirror.match_result(None, 0, 0)
+        guess = m.ckpt_handle is not None and self.cache.probation.get(m.ckpt_handle) == PROBATION
         if m.ckpt_handle is not None and m.ckpt_handle in self.cache.probation:
             self.stats.probation_hits += 1  # observe() promotes it: a normal state from now on
         self.cache.observe(m)
         cp = self.cache.plan(m, n, n + max(int(max_new_tokens) - 1, 0), named=named)
         positions = cp.positions
+        if guess and m.kv_depth < n and m.kv_depth in positions and m.kv_depth not in cp.probation:
+            # It resumed from a first-sight guess and now captures where it really diverges.
+            self.stats.superseded += int(self.cache.supersede(m))
         cuts = tuple(q for q in positions if engine_prefix < q < n)
         # A continuation is expected from evidence, not from the cold start's last-token guess:
         # this request continues a sequence's end itself (a session turn: its planned finish,

@@ -541,13 +541,20 @@ class RadixTree:
 
     def planned_captures(self, match: MatchResult) -> list[int]:
         """Planned positions on the matched path that a prefill resuming at ``resume_depth`` passes
-        (``resume_depth < p <= kv_depth``) and that are not cached yet."""
+        (``resume_depth < p <= kv_depth``) and that are not cached yet.
+
+        The end of the edge the KV match ends on, when the match ends exactly there, is the point
+        where this request diverges (an engine that splits an edge where a match ends, SGLang's,
+        made that edge end for this request): a branch point, whatever :meth:`_plans_edge_end`
+        says of the edge, so a plan that wants it (the per-edge DP, on that edge's observed depths)
+        captures it at its exact depth."""
         out = []
         lo, hi = match.resume_depth, match.kv_depth
+        branch = match.node if match.kv_depth > 0 and match.kv_depth == match.node.end else None
         for node in match.path:
             if node.end <= lo:
                 continue
-            skip = -1 if self._plans_edge_end(node) else node.end
+            skip = -1 if node is branch or self._plans_edge_end(node) else node.end
             for p in node.plan:
                 if lo < p <= hi and p != skip and p not in node.checkpoints:
                     out.append(p)
