@@ -29,9 +29,10 @@ variable (JSON key)                default    meaning
                                                divergence) needs ``capture=forward`` or no_buffer on
                                                extra_buffer; the ``grid`` point below an exact branch is
                                                then kept on probation (requests that diverge a few tokens
-                                               earlier resume there). Opt-in: it lifts the document and
-                                               system-prompt slices, but two states per branch push
-                                               first-sight states out of a small state pool
+                                               earlier resume there). Opt-in, mostly superseded: the
+                                               per-edge DP already plans the exact divergence a request
+                                               creates when that edge's depths want it (the same figures
+                                               on the 60-request slices); this also moves Marconi's branch
 ``SGLANG_SPARSE_TAIL_GRID``         auto       where the tail prior puts a new leaf's positions (int >= 1,
 (``tail_grid``)                                a multiple of --page-size): below ``grid`` they sit at the
                                                predicted divergence depths (aligned to it), not on the
