@@ -36,10 +36,11 @@ variable (JSON key)                default    meaning
 ``SGLANG_SPARSE_TAIL_GRID``         auto       where the tail prior puts a new leaf's positions (int >= 1,
 (``tail_grid``)                                a multiple of --page-size): below ``grid`` they sit at the
                                                predicted divergence depths (aligned to it), not on the
-                                               ``grid`` below them (same number of states). Auto: ``grid``.
+                                               ``grid`` below them (same number of states). Auto: the page
+                                               size with ``capture=forward`` (a state there is a copy),
+                                               else ``grid`` (on the cut path each is one more forward).
                                                A finer value needs ``capture=forward`` or no_buffer on
-                                               extra_buffer. Opt-in: it lifts fixed-length questions after a
-                                               document but loses the grid's slack where suffixes vary
+                                               extra_buffer
 ``SGLANG_SPARSE_MIN_CUT_GAIN``      auto       engine cost of a capture inside a prefill, in tokens: a
 (``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
                                                the resume point or the previous capture (each one costs an

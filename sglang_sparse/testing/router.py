@@ -72,6 +72,9 @@ class Router:
         self.worker_urls = list(worker_urls)
         self.policy = policy
         self.port = free_port(host)
+        #: the router's Prometheus exporter port: its default (29000) is one per machine, so a second
+        #: router (a test beside a benchmark) panicked with EADDRINUSE at start
+        self.metrics_port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.cmd = [
             sys.executable, "-m", "sglang_router.launch_router",
@@ -86,6 +89,8 @@ class Router:
             "--cb-timeout-duration-secs", str(breaker_timeout),
             "--request-timeout-secs", str(request_timeout),
             "--log-level", "warn",
+            "--prometheus-host", host,
+            "--prometheus-port", str(self.metrics_port),
             *extra_args,
         ]  # fmt: skip
         if log_path is None:
