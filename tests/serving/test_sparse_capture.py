@@ -3,7 +3,8 @@
 One module-scoped run of the sequential workload of ``test_sparse_backend.py`` (trace-like shared
 prefixes, partial overlaps, a 3-turn session) on four servers, one at a time: no cache, the native
 cache, the sparse cache on the chunk-cut path and on the forward-capture path (both with
-``SGLANG_SPARSE_MIN_CUT_GAIN=0``, so every planned position is captured). Then a concurrent storm
+``SGLANG_SPARSE_MIN_CUT_GAIN=0``, so every planned position is captured, and
+``SGLANG_SPARSE_TAIL_GRID=1``, so both plan the same positions). Then a concurrent storm
 with aborts against a tiny state pool, and server-free unit tests of the publish/free logic
 (fake allocator and policy). About 5 minutes on 2 cores.
 """
@@ -30,7 +31,9 @@ from test_sparse_backend import (  # sibling test module (pytest puts tests/serv
 pytestmark = pytest.mark.serving
 
 SPARSE = ["--radix-cache-backend", "sparse"]
-EXACT = {"SGLANG_SPARSE_MIN_CUT_GAIN": "0"}
+#: the same plan on both paths: every planned position captured, and the tail prior's positions at
+#: the predicted depths (auto would put them there only with capture=forward, on the grid with cut)
+EXACT = {"SGLANG_SPARSE_MIN_CUT_GAIN": "0", "SGLANG_SPARSE_TAIL_GRID": "1"}
 
 
 def prefill_forwards(srv) -> int:
