@@ -304,13 +304,14 @@ class TreePolicy:
         m = self._guard("match", self.mirror.match_result, kv_node_id, int(engine_kv), int(engine_prefix))
         if m is None:
             m = self.mirror.match_result(None, 0, 0)
-        guess = m.ckpt_handle is not None and self.cache.probation.get(m.ckpt_handle) == PROBATION
-        if m.ckpt_handle is not None and m.ckpt_handle in self.cache.probation:
+        tier = self.cache.probation.get(m.ckpt_handle) if m.ckpt_handle is not None else None
+        if tier is not None:
             self.stats.probation_hits += 1  # observe() promotes it: a normal state from now on
         self.cache.observe(m)
         cp = self.cache.plan(m, n, n + max(int(max_new_tokens) - 1, 0), named=named)
         positions = cp.positions
-        if guess and m.kv_depth < n and m.kv_depth in positions and m.kv_depth not in cp.probation:
+        exact_branch = m.kv_depth < n and m.kv_depth in positions and m.kv_depth not in cp.probation
+        if tier == PROBATION and exact_branch:
             # It resumed from a first-sight guess and now captures where it really diverges.
             self.stats.superseded += int(self.cache.supersede(m))
         cuts = tuple(q for q in positions if engine_prefix < q < n)

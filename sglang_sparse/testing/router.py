@@ -75,6 +75,8 @@ class Router:
         #: the router's Prometheus exporter port: its default (29000) is one per machine, so a second
         #: router (a test beside a benchmark) panicked with EADDRINUSE at start
         self.metrics_port = free_port(host)
+        while self.metrics_port == self.port:
+            self.metrics_port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.cmd = [
             sys.executable, "-m", "sglang_router.launch_router",
