@@ -64,6 +64,23 @@ def test_exact_tail_grid_places_the_state_at_the_predicted_divergence() -> None:
         TailPrior(exact_grid=0)
 
 
+def test_exact_tail_prior_keeps_a_question_prefix_state_past_min_gap() -> None:
+    """Questions that share their first 25 tokens diverge 23 tokens before the end, the others at
+    the document's end (48): two clusters 25 tokens apart each get a state with the default
+    ``min_gap`` (16 tokens on the 64-token grid); a ``min_gap`` of one grid step keeps only the
+    document's end, the old rule, which recomputed those 25 tokens on every such request."""
+    default = TailPrior(gamma=1.0, min_share=0.2, exact_grid=1)
+    wide = TailPrior(gamma=1.0, min_share=0.2, exact_grid=1, min_gap=64)
+    for t in (default, wide):
+        for s in (48, 23) * 3:
+            t.observe_suffix(s)
+    assert default.min_gap == 16
+    assert default.positions(0, 955, 2) == [907, 932]
+    assert wide.positions(0, 955, 2) == [907]
+    with pytest.raises(ValueError, match="min_gap"):
+        TailPrior(min_gap=0)
+
+
 def test_min_share_drops_rare_positions() -> None:
     t = TailPrior(gamma=1.0, min_share=0.3)
     for s in [0] * 8 + [1000] * 2:  # 20% of divergences far from the end
