@@ -186,11 +186,11 @@ def solve_dp_reference(law: DepthLaw, budget: int) -> Placement:
 
 
 def _load_native() -> ctypes.CDLL | None:
-    try:
-        from . import _cht_native  # type: ignore[attr-defined]
+    try:  # the extension module only carries the C symbol; ctypes loads its file
+        from ._cht_native import __file__ as native_path  # type: ignore[import-not-found]
     except ImportError:
         return None
-    lib = ctypes.CDLL(_cht_native.__file__)
+    lib = ctypes.CDLL(native_path)
     fn = lib.spc_cht_solve
     dp, ip = ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int64)
     fn.argtypes = [ctypes.c_int64, dp, dp, dp, ctypes.c_int64, ip, dp, ip, ip]

@@ -68,14 +68,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
 from sglang_sparse.tree import Node
 
 if TYPE_CHECKING:
-    from .eviction import Evictor
+    from sglang_sparse.tree import RadixTree
+
+    from .cost_model import ModelCostModel
 
 #: Candidate kinds (see :mod:`.eviction`); re-exported there.
 LEAF, NODE_STATES, CKPT = 0, 1, 2
@@ -240,6 +242,57 @@ def candidate_score(c: Terms, k: Constants, alpha: float, decayed: bool) -> floa
     return r + alpha * (c[1] - vmin) / vspan
 
 
+class ConfigView(Protocol):
+    """The :class:`~.eviction.EvictionConfig` fields the index reads (read-only; meanings there)."""
+
+    @property
+    def node_states(self) -> bool: ...
+
+    @property
+    def ckpt_scope(self) -> str: ...
+
+    @property
+    def ckpt_recency(self) -> str: ...
+
+    @property
+    def value(self) -> str: ...
+
+    @property
+    def drop_unservable(self) -> bool: ...
+
+    @property
+    def recency_scale(self) -> float | None: ...
+
+
+class EvictorView(Protocol):
+    """What a :class:`CandidateIndex` reads of its evictor; :class:`~.eviction.CandidateTerms` (hence
+    :class:`~.eviction.Evictor`) has it. A structural type, so this module, below :mod:`.eviction`,
+    never imports it. Units: ``capacity_bytes`` bytes (``None``: no bound), ``alpha`` dimensionless;
+    ``probation`` maps state handles to their tier (:data:`PROBATION` / :data:`SPARE`). The methods
+    are ``CandidateTerms``'s: the candidates and their raw :data:`Terms` the rows must equal."""
+
+    tree: RadixTree
+    config: ConfigView
+    cost: ModelCostModel | None
+    alpha: float
+    capacity_bytes: int | None
+    probation: Mapping[Any, int]
+
+    def chain_clock(self) -> ChainClock | None: ...
+
+    def candidates(self) -> list[tuple[int, Node, int]]: ...
+
+    def _candidate(
+        self, kind: int, node: Node, pos: int, *, need_value: bool | None = None
+    ) -> Terms | None: ...
+
+    def _chain_terms(self, node: Node) -> tuple[float | None, bool, bool]: ...
+
+    def _ckpt_flops(self, node: Node, pos: int, fb: int | None = None) -> float: ...
+
+    def _unservable(self, pos: int) -> bool: ...
+
+
 class CandidateIndex:
     """Columns of the raw candidate terms, kept equal to what ``Evictor._candidate`` would return.
 
@@ -254,7 +307,7 @@ class CandidateIndex:
     ``node``/``ver`` the node and its ``version``. Row order is arbitrary (swap-remove).
     """
 
-    def __init__(self, ev: Evictor) -> None:
+    def __init__(self, ev: EvictorView) -> None:
         self.ev = ev
         self.built = False
         self.pending: set[Node] = set()

@@ -40,8 +40,8 @@ import numpy as np
 
 from sglang_sparse.tree import Freed, InsertResult, MatchResult, RadixTree
 
+from .common import SimResult, prepare_requests
 from .future import FutureIndex
-from .simulator import SimResult, _prepare
 from .trace import SimRequest
 
 KINDS = ("finish", "branch", "mid")
@@ -55,7 +55,7 @@ class StateCatalog:
     def __init__(self, requests: Sequence[SimRequest], grid: int = 64) -> None:
         self.requests = requests
         self.grid = int(grid)
-        self.prepared = _prepare(requests)
+        self.prepared = prepare_requests(requests)
         self.future = FutureIndex(requests)
         inf = RadixTree(0, 1, plan_budget=0)
         for _, full in self.prepared:

@@ -67,8 +67,8 @@ import numpy as np
 from sglang_sparse.policy import ModelCostModel
 from sglang_sparse.tree import Freed, Node, RadixTree
 
+from .common import Observer, RequestRecord, SimResult, prepare_requests
 from .future import FutureIndex, after, first_bit
-from .simulator import Observer, RequestRecord, SimResult, _prepare
 from .trace import SimRequest
 
 #: state kinds (see :class:`StateInfo`)
@@ -342,7 +342,7 @@ def simulate_offline(
     cache = cache_factory(future, cache_bytes, cost.kv_bytes_per_token, cost.state_bytes, grid=grid)
     name = name or ("offline" if grid is None else f"offline_grid{grid}")
     res = SimResult(name, int(cache_bytes))
-    prepared = _prepare(requests)
+    prepared = prepare_requests(requests)
     it = range(len(prepared))
     if progress:
         from tqdm import tqdm

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from sglang_sparse.policy import ModelCostModel
 from sglang_sparse.policy.published import PublishedModel, as_published_model, make_published_cache
 
-from .simulator import RequestRecord, SimResult, _prepare
+from .common import RequestRecord, SimResult, prepare_requests
 from .trace import SimRequest
 
 
@@ -45,7 +45,7 @@ def simulate_published(
         from tqdm import tqdm
 
         it = tqdm(it, desc=f"{policy}@{cache_bytes / 2**30:.1f}GiB", leave=False)
-    prepared = _prepare(requests)
+    prepared = prepare_requests(requests)
     for i in it:
         inp, full = prepared[i]
         s = cache.serve(inp, full)

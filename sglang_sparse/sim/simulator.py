@@ -23,8 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -37,72 +36,17 @@ from sglang_sparse.policy import (
     PolicySpec,
     get_policy,
 )
-from sglang_sparse.tree import Freed, InsertResult, MatchResult, as_tokens
 
+from .common import Observer, RequestRecord, SimResult, prepare_requests
 from .oracle import OracleLaw
 from .trace import SimRequest
-
-#: ``(request index, match, {position: state handle} captured, insert result, freed by eviction)``
-Observer = Callable[[int, MatchResult, dict[int, int], InsertResult, Freed], None]
 
 #: simulator-only policies with future knowledge (:mod:`.offline`); not cache policies of the
 #: registry, so the serving adapter (``SGLANG_SPARSE_POLICY``) rejects them as unknown
 OFFLINE_POLICIES: tuple[str, ...] = ("offline",)
 
-
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    """Per-request outcome (tokens, FLOPs, bytes after eviction)."""
-
-    index: int
-    input_len: int
-    kv_depth: int
-    resume_depth: int
-    recomputed: int
-    captured: int
-    flops_saved: float
-    flops_total: float
-    bytes_used: int
-
-
-@dataclass
-class SimResult:
-    """Aggregates of one replay; ``records`` holds the per-request details."""
-
-    policy: str
-    cache_bytes: int
-    requests: int = 0
-    input_tokens: int = 0
-    hit_tokens: int = 0
-    kv_hit_tokens: int = 0
-    recomputed_tokens: int = 0
-    flops_saved: float = 0.0
-    flops_total: float = 0.0
-    max_bytes_used: int = 0
-    alphas: list[tuple[int, float]] = field(default_factory=list)
-    records: list[RequestRecord] = field(default_factory=list)
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
-
-    @property
-    def flops_saved_frac(self) -> float:
-        return self.flops_saved / self.flops_total if self.flops_total else 0.0
-
-    def summary(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "records"}
-        d["token_hit_rate"] = self.token_hit_rate
-        d["flops_saved_frac"] = self.flops_saved_frac
-        return d
-
-
-def _prepare(requests: Sequence[SimRequest]) -> list[tuple[np.ndarray, np.ndarray]]:
-    out = []
-    for r in requests:
-        inp = as_tokens(r.input_tokens)
-        out.append((inp, np.concatenate([inp, as_tokens(r.output_tokens)])))
-    return out
+#: the former private name of :func:`.common.prepare_requests` (tests import it from here)
+_prepare = prepare_requests
 
 
 def simulate(
@@ -177,7 +121,7 @@ def simulate(
         # alpha tuning (it did: rag at 5% of the footprint, sparse tuned alpha 4 on oracle-law
         # replays, 0.072, instead of 0.5, 0.092).
         oracle = None
-    prepared = _prepare(requests)
+    prepared = prepare_requests(requests)
     n = len(prepared)
     cache = HybridCache(
         spec,

@@ -12,10 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import agent, docqa, rag, sysprompt
+from .agent import DESCRIPTION as AGENT_DESCRIPTION
+from .agent import build as build_agent
 from .common import BuiltTrace
 from .data import DATA_FILES, resolve_data_dir
+from .docqa import DESCRIPTION as DOCQA_DESCRIPTION
+from .docqa import build as build_docqa
+from .rag import DESCRIPTION as RAG_DESCRIPTION
+from .rag import build as build_rag
 from .schema import Request
+from .sysprompt import DESCRIPTION as SYSPROMPT_DESCRIPTION
+from .sysprompt import build as build_sysprompt
 from .tokenizer import get_tokenizer
 
 FORMAT = "jsonl/marconi-v1"
@@ -41,10 +48,10 @@ class TraceSpec:
 TRACES: dict[str, TraceSpec] = {
     s.name: s
     for s in (
-        TraceSpec("system_prompts", sysprompt.DESCRIPTION, sysprompt.build),
-        TraceSpec("agent", agent.DESCRIPTION, agent.build),
-        TraceSpec("doc_qa", docqa.DESCRIPTION, docqa.build),
-        TraceSpec("rag", rag.DESCRIPTION, rag.build),
+        TraceSpec("system_prompts", SYSPROMPT_DESCRIPTION, build_sysprompt),
+        TraceSpec("agent", AGENT_DESCRIPTION, build_agent),
+        TraceSpec("doc_qa", DOCQA_DESCRIPTION, build_docqa),
+        TraceSpec("rag", RAG_DESCRIPTION, build_rag),
     )
 }
 TRACE_NAMES: tuple[str, ...] = tuple(TRACES)

@@ -40,16 +40,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram, grid_candidates, solve_dp
 
 from .node import EMPTY_KEY, Node
-
-if TYPE_CHECKING:
-    from .snapshot import TreeSnapshot
+from .snapshot import TreeSnapshot, tree_from_snapshot, tree_to_snapshot
 
 Tokens = Sequence[int] | np.ndarray
 _INT32 = np.dtype(np.int32)  # the canonical int32 descriptor (an identity check is ~4x cheaper than ==)
@@ -951,8 +949,6 @@ class RadixTree:
         """The tree as a flat :class:`~sglang_sparse.tree.snapshot.TreeSnapshot` (iterative; handles
         shared, arrays fresh). ``RadixTree.from_snapshot(t.to_snapshot())`` takes the same future
         decisions as ``t``."""
-        from .snapshot import tree_to_snapshot
-
         return tree_to_snapshot(self)
 
     @classmethod
@@ -965,9 +961,7 @@ class RadixTree:
     ) -> RadixTree:
         """Rebuild a tree from ``snap`` (validated: raises ``SnapshotError``, a ``ValueError``, naming
         the broken invariant). Derived indexes (leaves, evictable sets, LRU heap, totals) are rebuilt."""
-        from .snapshot import tree_from_snapshot
-
-        return tree_from_snapshot(snap, kv_ops=kv_ops, law_provider=law_provider, cls=cls)
+        return tree_from_snapshot(snap, cls=cls, kv_ops=kv_ops, law_provider=law_provider)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickle through the flat snapshot (never recursive in tree depth). Subclasses with their

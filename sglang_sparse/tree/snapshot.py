@@ -42,12 +42,17 @@ policy's candidate index) are never stored: :func:`tree_from_snapshot` rebuilds 
 
 To build a snapshot from another tree (e.g. SGLang's own radix tree, for the alpha tuner), use
 :class:`TreeSnapshotBuilder`: ``add_node`` once per node, parents before children, then ``build``.
+
+This module sits below :mod:`.radix` (it never imports it): the conversions see a tree through the
+structural type :class:`FlatTree`, and :func:`tree_from_snapshot` builds whatever tree class its
+caller passes (:meth:`RadixTree.from_snapshot` passes its own ``cls``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -55,10 +60,36 @@ from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram
 
 from .node import EMPTY_KEY, Node
 
-if TYPE_CHECKING:
-    from .radix import KVOps, LawProvider, RadixTree
-
 _I64 = np.int64
+
+
+class FlatTree(Protocol):
+    """The tree state :func:`tree_to_snapshot` reads and :func:`tree_from_snapshot` writes.
+
+    :class:`~sglang_sparse.tree.radix.RadixTree` has it; a structural type, so this module does not
+    import :mod:`.radix`. Units: ``kv_bytes_per_token`` and ``state_bytes`` bytes, ``grid`` and
+    ``kv_tokens`` tokens, ``clock`` logical ticks; ``_uid`` is the last uid handed out, ``num_nodes``
+    excludes the root. ``_sync_evictable(node)`` recomputes ``node``'s membership in the tree's
+    eviction index."""
+
+    kv_bytes_per_token: int
+    state_bytes: int
+    gamma: float
+    refresh: int
+    plan_budget: int
+    grid: int
+    root: Node
+    clock: int
+    _uid: int
+    num_nodes: int
+    kv_tokens: int
+    num_states: int
+    leaves: set[Node]
+
+    def _sync_evictable(self, node: Node) -> None: ...
+
+
+TreeT = TypeVar("TreeT", bound=FlatTree)
 
 
 def _i64(a: Any) -> np.ndarray:
@@ -258,7 +289,7 @@ class TreeSnapshotBuilder:
         )
 
 
-def tree_to_snapshot(tree: RadixTree) -> TreeSnapshot:
+def tree_to_snapshot(tree: FlatTree) -> TreeSnapshot:
     """Flatten ``tree`` (iterative preorder; O(nodes + tokens + checkpoints)). Handles are shared,
     not copied; arrays are fresh."""
     order: list[Node] = [tree.root]
@@ -435,18 +466,19 @@ def _validate(s: TreeSnapshot) -> None:
 def tree_from_snapshot(
     snap: TreeSnapshot,
     *,
-    kv_ops: KVOps | None = None,
-    law_provider: LawProvider | None = None,
-    cls: type[RadixTree] | None = None,
-) -> RadixTree:
-    """A new tree equal to the one ``snap`` describes (validated first); derived indexes rebuilt.
+    cls: Callable[..., TreeT],
+    kv_ops: Any = None,
+    law_provider: Any = None,
+) -> TreeT:
+    """A new ``cls`` tree equal to the one ``snap`` describes (validated first); derived indexes rebuilt.
 
+    ``cls`` is the tree class (:class:`~sglang_sparse.tree.radix.RadixTree` or a subclass), called
+    with the snapshot's configuration and ``kv_ops`` / ``law_provider`` (its ``KVOps`` and
+    ``LawProvider``, ``None`` = its defaults) as :class:`RadixTree`'s constructor takes them.
     Iterative, O(nodes + tokens + checkpoints). The rebuilt tree owns a private copy of
     ``snap.keys``; handles are shared with ``snap``."""
-    from .radix import RadixTree
-
     _validate(snap)
-    tree = (cls or RadixTree)(
+    tree = cls(
         snap.kv_bytes_per_token,
         snap.state_bytes,
         kv_ops=kv_ops,

@@ -1,0 +1,80 @@
+"""What every trace-replay loop shares: the per-request record, the result, the observer type and
+the request arrays.
+
+The loops are :func:`.simulator.simulate`, :func:`.offline.simulate_offline` and
+:func:`.published.simulate_published` (plus :mod:`.gap`); the field definitions (``kv_depth``,
+``resume_depth``, recomputed tokens, FLOPs saved) are in :mod:`.simulator`'s docstring. Units:
+tokens for lengths and depths, FLOPs, bytes. This module sits below all of them (it imports only
+:mod:`sglang_sparse.tree` and :mod:`.trace`), so they import it and never each other's internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from sglang_sparse.tree import Freed, InsertResult, MatchResult, as_tokens
+
+from .trace import SimRequest
+
+#: ``(request index, match, {position: state handle} captured, insert result, freed by eviction)``
+Observer = Callable[[int, MatchResult, dict[int, int], InsertResult, Freed], None]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """Per-request outcome (tokens, FLOPs, bytes after eviction)."""
+
+    index: int
+    input_len: int
+    kv_depth: int
+    resume_depth: int
+    recomputed: int
+    captured: int
+    flops_saved: float
+    flops_total: float
+    bytes_used: int
+
+
+@dataclass
+class SimResult:
+    """Aggregates of one replay; ``records`` holds the per-request details."""
+
+    policy: str
+    cache_bytes: int
+    requests: int = 0
+    input_tokens: int = 0
+    hit_tokens: int = 0
+    kv_hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    flops_saved: float = 0.0
+    flops_total: float = 0.0
+    max_bytes_used: int = 0
+    alphas: list[tuple[int, float]] = field(default_factory=list)
+    records: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def flops_saved_frac(self) -> float:
+        return self.flops_saved / self.flops_total if self.flops_total else 0.0
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "records"}
+        d["token_hit_rate"] = self.token_hit_rate
+        d["flops_saved_frac"] = self.flops_saved_frac
+        return d
+
+
+def prepare_requests(requests: Sequence[SimRequest]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(input, input + output)`` token arrays (1-D int32) of each request, in trace order: what a
+    replay matches and what it inserts (the cached sequence is the input followed by the output)."""
+    out = []
+    for r in requests:
+        inp = as_tokens(r.input_tokens)
+        out.append((inp, np.concatenate([inp, as_tokens(r.output_tokens)])))
+    return out
