@@ -24,13 +24,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from eviction_reference import ReferenceEvictor  # tests/eviction_reference.py
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_sparse.policy import POLICIES, HybridCache, PolicySpec
 from sglang_sparse.policy.eviction import CKPT, LEAF, EvictionConfig, Evictor, ScoredCandidate
 from sglang_sparse.policy.eviction_index import det_log1p, effective_recency
-from sglang_sparse.policy.eviction_reference import ReferenceEvictor
 from sglang_sparse.sim import cost_model
 from sglang_sparse.tree import Freed
 

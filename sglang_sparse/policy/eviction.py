@@ -53,7 +53,7 @@ normalisation constants (and its ``now``). Single-child checkpoint-free unlocked
 behind are merged into their child. Everything is deterministic (ties broken by node uid and
 position).
 
-Implementation. :class:`~.eviction_reference.ReferenceEvictor` is the specification: it
+Implementation. ``ReferenceEvictor`` (tests/eviction_reference.py) is the specification: it
 re-enumerates and re-scores every candidate each round (tens to hundreds of ms at 10k nodes).
 :class:`Evictor` makes the same decisions (same items freed in the same order, same tree
 afterwards; checked by ``tests/test_policy_eviction.py``) from an incremental
@@ -144,7 +144,7 @@ _Entry = tuple[float, int, int, int, Node, int]  # (score, uid, pos, kind, node,
 class CandidateTerms:
     """Candidate enumeration and raw terms (:data:`~.eviction_index.Terms`: recency, FLOPs/byte,
     bytes, unservable, probation, chain due tick, superseded, provisional) shared by
-    :class:`Evictor` and its specification :class:`~.eviction_reference.ReferenceEvictor` (which
+    :class:`Evictor` and its specification ``ReferenceEvictor`` in tests/eviction_reference.py (which
     differ only in how a round finds the lowest scores)."""
 
     def __init__(
@@ -329,7 +329,7 @@ class CandidateTerms:
 class Evictor(CandidateTerms):
     """Scores candidates and evicts until a byte target is met.
 
-    Decisions are those of :class:`~.eviction_reference.ReferenceEvictor` (the module docstring);
+    Decisions are those of ``ReferenceEvictor`` in tests/eviction_reference.py (the module docstring);
     the candidate terms live in an incremental :class:`~.eviction_index.CandidateIndex`. The index
     notices every change made through :class:`~sglang_sparse.tree.RadixTree` methods; after writing
     node fields directly, call :meth:`invalidate`. Copies (``copy.deepcopy``, pickling) drop the

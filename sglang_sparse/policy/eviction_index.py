@@ -1,6 +1,6 @@
 """Incremental candidate index of the :class:`~.eviction.Evictor` (exact, no tree hook needed).
 
-The evictor's specification (:class:`~.eviction_reference.ReferenceEvictor`) re-enumerates and
+The evictor's specification (``ReferenceEvictor``, tests/eviction_reference.py) re-enumerates and
 re-scores every candidate at the start of each eviction round. This index keeps, for every live
 node of the tree, the raw terms of its candidates -- ``(recency, efficiency FLOPs/byte,
 unservable, probation, session due tick, superseded, provisional)`` exactly as

@@ -1,21 +1,22 @@
-"""Reference evictor: the straightforward implementation that :class:`~.eviction.Evictor` must match.
+"""Reference evictor: the straightforward implementation that
+:class:`sglang_sparse.policy.eviction.Evictor` must match (a test helper, not part of the package).
 
 The rounds are kept verbatim from before the incremental candidate index (:mod:`.eviction_index`)
 was introduced: each round enumerates every candidate (``candidates()``), scores it from scratch
 (``_candidate()``, which walks ``tree.fallback_depth`` and calls the cost model), min-max
 normalises over all of them and pops a heap. Tests run it side by side with
 :class:`~.eviction.Evictor` on deep copies of the same cache and assert identical freed handles and
-identical trees; the benchmark uses it as the "before" timing. Not used by the product code.
+identical trees. It lives in tests/ (like sortedcontainers' reference implementations): the
+package never imports it.
 """
 
 from __future__ import annotations
 
 import heapq
 
+from sglang_sparse.policy.eviction import CKPT, LEAF, NODE_STATES, CandidateTerms
+from sglang_sparse.policy.eviction_index import Terms, candidate_score, effective_recency, round_constants
 from sglang_sparse.tree import Freed, Node
-
-from .eviction import CKPT, LEAF, NODE_STATES, CandidateTerms
-from .eviction_index import Terms, candidate_score, effective_recency, round_constants
 
 __all__ = ["CKPT", "LEAF", "NODE_STATES", "ReferenceEvictor"]
 
@@ -23,8 +24,8 @@ __all__ = ["CKPT", "LEAF", "NODE_STATES", "ReferenceEvictor"]
 class ReferenceEvictor(CandidateTerms):
     """The pre-index evictor, the specification of :class:`~.eviction.Evictor`: every round
     re-enumerates (``candidates()``) and re-scores (``_candidate()``) every candidate, O(n) Python
-    per round. Same constructor and decisions; used by the differential tests and the benchmark
-    only. The candidate terms are shared with :class:`~.eviction.Evictor`
+    per round. Same constructor and decisions; used by the differential tests only. The candidate
+    terms are shared with :class:`~.eviction.Evictor`
     (:class:`~.eviction.CandidateTerms`); what this class pins down is the round."""
 
     def touch(self, node: Node) -> None:
