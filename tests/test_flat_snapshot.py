@@ -19,7 +19,8 @@ import pytest
 from sglang_sparse.placement import DepthHistogram
 from sglang_sparse.policy import AlphaTuner, CacheSnapshot, HybridCache
 from sglang_sparse.sim import cost_model, synthetic_trace
-from sglang_sparse.sim.simulator import _prepare, _serve, _snapshot, warm_replay_score
+from sglang_sparse.sim.common import prepare_requests
+from sglang_sparse.sim.simulator import _serve, _snapshot, warm_replay_score
 from sglang_sparse.tree import RadixTree, SnapshotError, TreeSnapshot, TreeSnapshotBuilder
 
 COST = cost_model("qwen3-next-80b-a3b")
@@ -138,7 +139,7 @@ def _random_ops(cache: HybridCache, prepared: list, rng: np.random.Generator) ->
 @pytest.mark.parametrize("seed", range(4))
 def test_random_caches_round_trip_to_the_same_future_decisions(seed: int) -> None:
     kind = ("doc_qa", "system_prompts", "agent")[seed % 3]
-    prepared = _prepare(synthetic_trace(kind, 120, seed=seed, scale=0.2))
+    prepared = prepare_requests(synthetic_trace(kind, 120, seed=seed, scale=0.2))
     budget = 8 * COST.state_bytes + 12_000 * COST.kv_bytes_per_token
     cache = HybridCache("sparse", budget_bytes=budget, cost=COST, alpha=0.5)
     ids = itertools.count(1)

@@ -12,7 +12,8 @@ import pytest
 from sglang_sparse.policy import HybridCache
 from sglang_sparse.policy.tail_prior import TailPrior
 from sglang_sparse.sim import cost_model, simulate, synthetic_trace
-from sglang_sparse.sim.simulator import _prepare, _serve, warm_replay_score
+from sglang_sparse.sim.common import prepare_requests
+from sglang_sparse.sim.simulator import _serve, warm_replay_score
 
 COST = cost_model("qwen3-next-80b-a3b")
 
@@ -144,7 +145,7 @@ def test_second_use_of_a_new_prompt_hits_only_with_the_learned_prior(policy: str
 
 def test_warm_replay_score_starts_from_the_snapshot_and_leaves_it_untouched() -> None:
     trace = synthetic_trace("doc_qa", 40, seed=1, scale=0.3)
-    prepared = _prepare(trace)
+    prepared = prepare_requests(trace)
     budget = 6 * COST.state_bytes + 20_000 * COST.kv_bytes_per_token
     cache = HybridCache("sparse", budget_bytes=budget, cost=COST)
     ids = itertools.count(1)

@@ -18,9 +18,9 @@ from sglang_sparse.sim import (
     simulate_offline,
     synthetic_trace,
 )
+from sglang_sparse.sim.common import prepare_requests
 from sglang_sparse.sim.future import after, first_bit
 from sglang_sparse.sim.offline import BRANCH, FINISH, FIT
-from sglang_sparse.sim.simulator import _prepare
 from sglang_sparse.sim.trace import SimRequest
 
 CM = cost_model("qwen3-next-80b-a3b")
@@ -32,7 +32,7 @@ def _text(start: int, n: int) -> tuple[int, ...]:
 
 
 def _serve_all(cache: OfflineCache, reqs: list[SimRequest]) -> list[int]:
-    return [cache.serve(inp, full).resume_depth for inp, full in _prepare(reqs)]
+    return [cache.serve(inp, full).resume_depth for inp, full in prepare_requests(reqs)]
 
 
 # ---------------------------------------------------------------------- future index
@@ -77,7 +77,7 @@ def test_states_exactly_where_later_requests_resume() -> None:
     ]
     big = 10**15
     cache = OfflineCache(FutureIndex(reqs), big, KVB, SB)
-    inp, full = _prepare(reqs)[0]
+    inp, full = prepare_requests(reqs)[0]
     plan = cache.capture_positions(0, full, len(inp), 0)
     assert {k: v.kind for k, v in plan.items()} == {300: BRANCH, 307: BRANCH, 323: FINISH}
     assert _serve_all(cache, reqs) == [0, 307, 323, 300]
@@ -109,7 +109,7 @@ def test_fit_state_when_the_prefix_does_not_fit() -> None:
     g = simulate_offline(reqs, size, CM, grid=64, check=True)
     assert [x.resume_depth for x in g.records] == [0, 960, 960, 960]
     cache = OfflineCache(FutureIndex(reqs), size, KVB, SB)
-    inp, full = _prepare(reqs)[0]
+    inp, full = prepare_requests(reqs)[0]
     assert {k: v.kind for k, v in cache.capture_positions(0, full, len(inp), 0).items()} == {1000: FIT}
 
 

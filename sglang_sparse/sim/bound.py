@@ -45,13 +45,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from sglang_sparse.policy import ModelCostModel
-from sglang_sparse.tree import RadixTree, as_tokens
+from sglang_sparse.tree import RadixTree
 
+from .common import HitRates, prepare_requests
 from .trace import SimRequest
 
 
 @dataclass(frozen=True)
-class HeadroomBound:
+class HeadroomBound(HitRates):
     """Upper bounds for one trace and cache size (tokens, FLOPs).
 
     ``hit_tokens`` / ``flops_saved``: the packing bound (the one tables report);
@@ -66,14 +67,6 @@ class HeadroomBound:
     cap_tokens: int
     per_request_hit_tokens: int = 0
     per_request_flops_saved: float = 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
-
-    @property
-    def flops_saved_frac(self) -> float:
-        return self.flops_saved / self.flops_total if self.flops_total else 0.0
 
     @property
     def per_request_hit_rate(self) -> float:
@@ -105,8 +98,7 @@ def reuse_profile(requests: Sequence[SimRequest]) -> ReuseProfile:
     depths: list[int] = []
     rows: list[tuple[int, int, int]] = []
     lens: list[int] = []
-    for j, r in enumerate(requests):
-        inp = as_tokens(r.input_tokens)
+    for j, (inp, full) in enumerate(prepare_requests(requests)):
         n = len(inp)
         lens.append(n)
         m = tree.match(inp)
@@ -125,9 +117,8 @@ def reuse_profile(requests: Sequence[SimRequest]) -> ReuseProfile:
             amount += hi - lo
         if amount:
             rows.append((last_k, j, amount))
-        seq = list(r.input_tokens) + list(r.output_tokens)
-        if seq:
-            tree.insert(as_tokens(seq))
+        if len(full):
+            tree.insert(full)
             visitor[tree.clock] = j
     iv = np.array(rows, dtype=np.int64).reshape(-1, 3)
     return ReuseProfile(tuple(depths), iv, tuple(lens))

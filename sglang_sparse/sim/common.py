@@ -38,8 +38,26 @@ class RequestRecord:
     bytes_used: int
 
 
+class HitRates:
+    """The two headline rates of a replay or a bound, from its ``hit_tokens`` / ``input_tokens``
+    (tokens) and ``flops_saved`` / ``flops_total`` (FLOPs); 0 when the denominator is 0."""
+
+    hit_tokens: int
+    input_tokens: int
+    flops_saved: float
+    flops_total: float
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def flops_saved_frac(self) -> float:
+        return self.flops_saved / self.flops_total if self.flops_total else 0.0
+
+
 @dataclass
-class SimResult:
+class SimResult(HitRates):
     """Aggregates of one replay; ``records`` holds the per-request details."""
 
     policy: str
@@ -54,14 +72,6 @@ class SimResult:
     max_bytes_used: int = 0
     alphas: list[tuple[int, float]] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
-
-    @property
-    def flops_saved_frac(self) -> float:
-        return self.flops_saved / self.flops_total if self.flops_total else 0.0
 
     def summary(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "records"}

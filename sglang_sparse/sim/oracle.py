@@ -24,6 +24,7 @@ import numpy as np
 
 from sglang_sparse.tree import Node, RadixTree, as_tokens
 
+from .common import prepare_requests
 from .trace import SimRequest
 
 
@@ -33,10 +34,9 @@ class OracleLaw:
     def __init__(self, requests: Sequence[SimRequest]) -> None:
         inf = RadixTree(0, 1, plan_budget=0)
         depths = []
-        for r in requests:
-            inp = as_tokens(r.input_tokens)
+        for inp, full in prepare_requests(requests):
             depths.append(inf.match(inp).kv_depth)
-            inf.insert(np.concatenate([inp, as_tokens(r.output_tokens)]))
+            inf.insert(full)
         self.depths = np.asarray(depths, dtype=np.int64)
         self._stops: dict[int, list[int]] = {}
         for r, d in zip(requests, depths, strict=True):

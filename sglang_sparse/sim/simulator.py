@@ -45,9 +45,6 @@ from .trace import SimRequest
 #: registry, so the serving adapter (``SGLANG_SPARSE_POLICY``) rejects them as unknown
 OFFLINE_POLICIES: tuple[str, ...] = ("offline",)
 
-#: the former private name of :func:`.common.prepare_requests` (tests import it from here)
-_prepare = prepare_requests
-
 
 def simulate(
     requests: Sequence[SimRequest],
