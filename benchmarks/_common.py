@@ -1,4 +1,5 @@
-"""Small helpers shared by the benchmark scripts: results folder, JSON output, progress bars."""
+"""Small helpers shared by the benchmark scripts: results folder, JSON output, progress bars, the
+table printer (statistics: :mod:`benchmarks.stats`)."""
 
 from __future__ import annotations
 
@@ -53,11 +54,12 @@ def progress(it: Iterable[T], total: int | None = None, desc: str = "") -> Itera
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:
-    """A plain fixed-width text table."""
-    cells = [[str(c) for c in header]] + [
-        [f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows
-    ]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    """A plain fixed-width text table (tabulate's ``simple`` format, every column right-aligned;
+    floats to 3 significant digits, strings printed as given: a pre-formatted cell is never
+    re-parsed as a number)."""
+    from tabulate import tabulate
+
+    cells = [[f"{c:.3g}" if isinstance(c, float) else c for c in r] for r in rows]
+    return tabulate(
+        cells, header, tablefmt="simple", disable_numparse=True, colalign=("right",) * len(header)
+    )

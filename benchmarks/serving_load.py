@@ -126,7 +126,6 @@ import json
 import math
 import random
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -137,6 +136,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python benchmarks/serving_load.py` as well as `-m`
     sys.path.insert(0, str(ROOT))
+
+from benchmarks.stats import (  # noqa: E402 - after the sys.path set-up above
+    Spread,
+    claim,
+    fmt_ratio,
+    fmt_spread,
+    mem_available_gb,
+    paired_ratios,
+    pooled_gap,
+    sign_test_p,
+    spread,
+)
 
 TRACES = ROOT / "traces" / "build"
 
@@ -254,119 +265,6 @@ QUICK_DEFAULTS: dict[str, Any] = dict(
     agent_sessions=3,
     agent_turns=6,
 )
-
-
-# ----------------------------------------------------------------------------- statistics
-@dataclass(frozen=True)
-class Spread:
-    """Median and spread of repeated measurements (units of the measurement)."""
-
-    median: float
-    lo: float
-    hi: float
-    n: int
-    kind: str = "minmax"
-
-    def excludes(self, x: float) -> bool:
-        """True when ``x`` lies outside ``[lo, hi]``."""
-        return self.lo > x or self.hi < x
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"median": self.median, "lo": self.lo, "hi": self.hi, "n": self.n, "kind": self.kind}
-
-
-def _finite(values: Sequence[float | int | None]) -> list[float]:
-    out = []
-    for v in values:
-        if v is None:
-            continue
-        f = float(v)
-        if math.isfinite(f):
-            out.append(f)
-    return out
-
-
-def spread(values: Sequence[float | int | None], kind: str = "minmax") -> Spread | None:
-    """Median and spread of ``values`` (None/NaN/inf dropped; None when nothing is left).
-
-    ``kind``: ``minmax`` (lo = min, hi = max) or ``iqr`` (25th/75th percentiles, inclusive method:
-    for n <= 2 the same as min-max).
-    """
-    if kind not in ("minmax", "iqr"):
-        raise ValueError(f"unknown spread kind {kind!r}; expected minmax or iqr")
-    vals = sorted(_finite(values))
-    if not vals:
-        return None
-    med = statistics.median(vals)
-    if kind == "minmax" or len(vals) < 3:
-        lo, hi = vals[0], vals[-1]
-    else:
-        q = statistics.quantiles(vals, n=4, method="inclusive")
-        lo, hi = q[0], q[2]
-    return Spread(med, lo, hi, len(vals), kind)
-
-
-def paired_ratios(num: Sequence[float | None], den: Sequence[float | None]) -> list[float]:
-    """Per-repetition ratios ``num[i] / den[i]`` where both are finite and ``den[i] > 0``."""
-    if len(num) != len(den):
-        raise ValueError(f"paired values need equal lengths, got {len(num)} and {len(den)}")
-    out = []
-    for a, b in zip(num, den, strict=True):
-        if a is None or b is None:
-            continue
-        fa, fb = float(a), float(b)
-        if math.isfinite(fa) and math.isfinite(fb) and fb > 0:
-            out.append(fa / fb)
-    return out
-
-
-def ratio_spread(
-    num: Sequence[float | None], den: Sequence[float | None], kind: str = "minmax"
-) -> Spread | None:
-    """:func:`spread` of the per-repetition ratios (see :func:`paired_ratios`)."""
-    return spread(paired_ratios(num, den), kind)
-
-
-def claim(s: Spread | None) -> str:
-    """``"higher"`` / ``"lower"`` when the ratio spread lies entirely above / below 1, else
-    ``"n.s."`` (also for a single repetition or no data: one value is no spread)."""
-    if s is None or s.n < 2 or not s.excludes(1.0):
-        return "n.s."
-    return "higher" if s.lo > 1.0 else "lower"
-
-
-def sign_test_p(n: int) -> float:
-    """Two-sided sign-test probability that ``n`` paired ratios all fall on one side of 1 when
-    neither side is favoured: ``2 ** (1 - n)`` (1.0 for n <= 1)."""
-    return 1.0 if n <= 1 else 2.0 ** (1 - n)
-
-
-def fmt_num(x: float) -> str:
-    """A compact number: no decimals from 100, one from 10, else 3 significant digits."""
-    if abs(x) >= 100:
-        return f"{x:.0f}"
-    if abs(x) >= 10:
-        return f"{x:.1f}"
-    return f"{x:.3g}"
-
-
-def fmt_spread(s: Spread | None) -> str:
-    """``median [lo-hi]`` (see :func:`fmt_num`), ``-`` for no data."""
-    if s is None:
-        return "-"
-    return f"{fmt_num(s.median)} [{fmt_num(s.lo)}-{fmt_num(s.hi)}]"
-
-
-def fmt_ratio(s: Spread | None) -> str:
-    """``0.62x [0.55-0.70]``, suffixed ``n.s.`` when the spread does not exclude 1 (three decimals
-    when two would print a claimed spread as touching 1.00)."""
-    if s is None:
-        return "-"
-    d = 2
-    if claim(s) != "n.s." and "1.00" in (f"{s.lo:.2f}", f"{s.hi:.2f}"):
-        d = 3
-    text = f"{s.median:.{d}f}x [{s.lo:.{d}f}-{s.hi:.{d}f}]"
-    return text if claim(s) != "n.s." else text + " n.s."
 
 
 def rotated(names: Sequence[str], offset: int) -> list[str]:
@@ -593,17 +491,6 @@ def build_agent(
 
 
 # ----------------------------------------------------------------------------- servers
-def mem_available_gb() -> float:
-    """``MemAvailable`` of ``/proc/meminfo`` in GB (inf where unknown)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1e6
-    except OSError:
-        pass
-    return math.inf
-
-
 def server_args(config: str, chunk: int, chat_template: Path) -> list[str]:
     """Extra server flags of ``config`` on top of the CPU defaults (tokenizer on, sleep on idle)."""
     flags = CONFIGS[config_base(config)][0]
@@ -935,7 +822,7 @@ def ttft_vs_prefill(
             "ttft_ratio": st.as_dict() if st else None,
             "prefilled_ratio": sp.as_dict() if sp else None,
             "gap": {**sg.as_dict(), "per_rep": gaps} if sg else None,
-            "pooled_gap": _pooled_gap(
+            "pooled_gap": pooled_gap(
                 series(a, "mean_ttft_ms"),
                 series(b, "mean_ttft_ms"),
                 series(a, "prefilled_tokens"),
@@ -943,20 +830,6 @@ def ttft_vs_prefill(
             ),
         }
     return out
-
-
-def _pooled_gap(
-    ta: Sequence[float | None],
-    tb: Sequence[float | None],
-    pa: Sequence[float | None],
-    pb: Sequence[float | None],
-) -> float | None:
-    """``(sum ta / sum tb) / (sum pa / sum pb) - 1`` over the repetitions where all four exist."""
-    rows = [r for r in zip(ta, tb, pa, pb, strict=False) if all(x is not None for x in r)]
-    sums = [sum(float(r[i]) for r in rows) for i in range(4)]  # type: ignore[arg-type]
-    if not rows or not all(sums):
-        return None
-    return (sums[0] / sums[1]) / (sums[2] / sums[3]) - 1
 
 
 def equality_summary(

@@ -68,21 +68,23 @@ if str(ROOT) not in sys.path:
 from benchmarks.serving_load import (  # noqa: E402 - after the sys.path fix for script use
     CONFIGS,
     SERVER_RSS_GB,
-    Spread,
     Workload,
     add_workload_arguments,
     build_agent,
     build_custom,
     config_base,
+    rotated,
+    server_args,
+    size_pools,
+    text_mismatches,
+)
+from benchmarks.stats import (  # noqa: E402
+    Spread,
     fmt_ratio,
     fmt_spread,
     mem_available_gb,
     ratio_spread,
-    rotated,
-    server_args,
-    size_pools,
     spread,
-    text_mismatches,
 )
 
 WORKLOADS = ("doc_qa", "system_prompts", "agent")

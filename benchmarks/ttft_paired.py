@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,7 +44,6 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.serving_load import (  # noqa: E402
     CONFIGS,
-    _pooled_gap,
     aa_pairs,
     build_custom,
     config_base,
@@ -54,6 +52,7 @@ from benchmarks.serving_load import (  # noqa: E402
     size_pools,
     start_servers,
 )
+from benchmarks.stats import bootstrap_ci, pooled_gap  # noqa: E402
 
 DEFAULT_PAIRS = ("sparse/native_eb", "sparse/lru", "sparse/native", "lru/native_eb", "native/native_eb")
 
@@ -67,14 +66,6 @@ def stream_ttft(server: Any, input_ids: Sequence[int], output_len: int) -> dict[
         "prompt_tokens": res.prompt_tokens or len(input_ids),
         "cached_tokens": res.cached_tokens,
     }
-
-
-def _bootstrap(values: Sequence[Any], stat: Any, n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """2.5% and 97.5% quantiles of ``stat`` over ``n`` seeded resamples of ``values``."""
-    rng = random.Random(seed)
-    k = len(values)
-    out = sorted(stat([values[rng.randrange(k)] for _ in range(k)]) for _ in range(n))
-    return out[int(0.025 * (n - 1))], out[int(0.975 * (n - 1))]
 
 
 def pair_summary(rows: Sequence[dict[str, Any]], a: str, b: str, *, seed: int = 0) -> dict[str, Any] | None:
@@ -94,7 +85,7 @@ def pair_summary(rows: Sequence[dict[str, Any]], a: str, b: str, *, seed: int = 
         ]
 
     def gap(ps: Sequence[tuple[dict, dict]]) -> float:
-        g = _pooled_gap(*sums(ps))
+        g = pooled_gap(*sums(ps))
         return float("nan") if g is None else g
 
     ta, tb, pa, pb = (sum(v) for v in sums(pairs))
@@ -104,12 +95,12 @@ def pair_summary(rows: Sequence[dict[str, Any]], a: str, b: str, *, seed: int = 
         "ttft_ratio": ta / tb if tb else None,
         "prefilled_ratio": pa / pb if pb else None,
         "gap": gap(pairs),
-        "gap_ci95": _bootstrap(pairs, gap, seed=seed),
+        "gap_ci95": bootstrap_ci(pairs, gap, seed=seed),
         "equal_work_requests": len(same),
     }
     if same:
         out["equal_work_ms"] = sum(same) / len(same)
-        out["equal_work_ms_ci95"] = _bootstrap(same, lambda v: sum(v) / len(v), seed=seed)
+        out["equal_work_ms_ci95"] = bootstrap_ci(same, lambda v: sum(v) / len(v), seed=seed)
     return out
 
 

