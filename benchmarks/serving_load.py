@@ -7,6 +7,10 @@ different loopback ports (the random-weight tiny hybrid Qwen3-Next of
 * ``native_eb`` - SGLang's own radix cache on its GPU default path: the ``extra_buffer`` Mamba
   strategy with the overlap schedule on (on the CPU through the project's platform,
   ``SGLANG_PLATFORM=sglang_sparse_cpu``); the baseline of every ratio;
+* ``native_eb_py`` - ``native_eb`` on SGLang's Python tree core
+  (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``; the default core is Rust, and component hooks
+  such as the sparse backend's run only on the Python one): how much of ``sparse``'s CPU cost is
+  that core's (not in the default set);
 * ``native``  - SGLang's own radix cache on ``no_buffer`` (a state at chunk ends; overlap off);
 * ``sparse``  - ``--radix-cache-backend sparse``, ``SGLANG_SPARSE_POLICY=sparse``, on extra_buffer
   (overlap on); ``sparse_nb`` the same on no_buffer;
@@ -155,6 +159,8 @@ _SPARSE = ("--radix-cache-backend", "sparse")
 #: configuration name -> (extra server flags, extra environment, Mamba state strategy)
 CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
     "native_eb": ((), {}, "extra_buffer"),
+    # SGLang's cache on its Python tree core (the core the sparse backend's components need)
+    "native_eb_py": ((), {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}, "extra_buffer"),
     "native": ((), {}, "no_buffer"),
     "sparse": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse"}, "extra_buffer"),
     "sparse_nb": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse"}, "no_buffer"),
