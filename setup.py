@@ -2,7 +2,7 @@
 
 * ``sglang_sparse.placement._cht_native``: the placement DP (fallback: the pure-Python O(N·M) hull).
 * ``sglang_sparse.tree._lcp_native``: the radix tree's longest-common-prefix of int32 token buffers
-  (fallback: the chunked numpy ``_lcp_numpy`` in ``sglang_sparse/tree/radix.py``).
+  (fallback: the chunked numpy ``lcp_numpy`` in ``sglang_sparse/tree/lcp.py``).
 
 If no C compiler is available the package still installs and uses the fallbacks (same results,
 slower).

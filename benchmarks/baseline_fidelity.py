@@ -8,7 +8,7 @@ into a temporary directory and imported from there at run time. Its unused top-l
 
 Both sides replay the same trace files with the reference's model config (NVIDIA Attention-Mamba2
 hybrid 7B: 24 SSM / 4 attention / 28 MLP layers, d=4096, n=128, fp16: 26.8 MB per state,
-64 KiB of KV per token; :class:`~sglang_sparse.policy.published.MarconiModel`) and the same cache
+64 KiB of KV per token; :class:`~sglang_sparse.sim.published_caches.MarconiModel`) and the same cache
 sizes in bytes (fractions of the trace's infinite-cache KV footprint, ``unique tokens x 64 KiB``).
 The reference is driven exactly as its ``policy_exploration.py: run_trace_with_config``
 (``match_prefix(input)``, ``insert(input + output)``, ``eff_weight=0``, ``bootstrap_multiplier=5``,
@@ -44,8 +44,8 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import REPO, RESULTS, write_json  # noqa: E402
-from sglang_sparse.policy.published import REFERENCE_COMMIT, MarconiModel  # noqa: E402
 from sglang_sparse.sim import OracleLaw, load_trace, simulate  # noqa: E402
+from sglang_sparse.sim.published_caches import REFERENCE_COMMIT, MarconiModel  # noqa: E402
 
 REFERENCE_FILES = ("radix_cache_hybrid.py", "radix_cache_vllm.py", "config_tuner.py", "utils.py")
 DEFAULT_TRACES = ("rag", "system_prompts", "doc_qa", "agent")

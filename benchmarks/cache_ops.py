@@ -67,7 +67,7 @@ from benchmarks._common import table  # noqa: E402
 from sglang_sparse.policy import HybridCache  # noqa: E402
 from sglang_sparse.sim import cost_model  # noqa: E402
 from sglang_sparse.tree import RadixTree  # noqa: E402
-from sglang_sparse.tree import radix as tree_radix  # noqa: E402
+from sglang_sparse.tree import lcp as tree_lcp  # noqa: E402
 
 FAN = (10, 10, 100)  # system prompts, documents per prompt, questions per document
 LENS = (16_000, 15_500, 500)  # tokens of each level (a full path is 32k tokens)
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
         },
-        "sparse_tree_native": tree_radix.HAVE_NATIVE_LCP,  # C LCP/descent built (else numpy fallback)
+        "sparse_tree_native": tree_lcp.HAVE_NATIVE_LCP,  # C LCP/descent built (else numpy fallback)
         "nodes": sparse.tree.num_nodes,
         "prompt_tokens": len(paths[0][0]),
         "ops": ops,

@@ -8,7 +8,7 @@ rate and FLOPs saved vs cache size per policy) and prints a table. Needs the bui
 
 The policies are the registry's cache policies plus the published baselines of the Marconi paper
 (``sglang_plus_published``, ``marconi_published``, ``vllm_plus_published``; see
-``sglang_sparse.policy.published``), which keep the reference simulator's soft cap: their
+``sglang_sparse.sim.published_caches``), which keep the reference simulator's soft cap: their
 ``max_bytes_used`` can exceed the cache size, and ``offline`` (``sglang_sparse.sim.offline``): a
 reference that knows the future, within the budget. Every row carries its share of the headroom
 bound (an upper bound) and of ``offline`` (a reachable schedule): ``sparse / offline`` says how much

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from sglang_sparse.policy import PUBLISHED_NAMES, SIM_POLICY_NAMES, get_policy, get_published
-from sglang_sparse.policy.published import (
+from sglang_sparse.sim import SimRequest, cost_model, simulate, synthetic_trace
+from sglang_sparse.sim.published_caches import (
     MARCONI_ALPHA_GRID,
     MarconiModel,
     PublishedBlockCache,
@@ -18,7 +19,6 @@ from sglang_sparse.policy.published import (
     _replay_flops_saved,
     make_published_cache,
 )
-from sglang_sparse.sim import SimRequest, cost_model, simulate, synthetic_trace
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,7 @@ def _dump(t: RadixTree) -> list:
 
 @pytest.mark.parametrize("where", [0, 1, 15, 16, 17, 100, 16_383, 16_384, 16_385, 32_768, 39_999, None])
 def test_lcp_chunked_matches_naive(where):
-    from sglang_sparse.tree.radix import _LCP_HEAD, _lcp, _lcp_near, _lcp_numpy
+    from sglang_sparse.tree.lcp import _LCP_HEAD, lcp, lcp_near, lcp_numpy
 
     rng = np.random.default_rng(0)
     key = rng.integers(0, 2**31 - 1, size=40_000, dtype=np.int32)
@@ -158,7 +158,7 @@ def test_lcp_chunked_matches_naive(where):
     if where is not None:
         toks[7 + where] ^= 1
     expect = 40_000 if where is None else where
-    for f in (_lcp, _lcp_near, _lcp_numpy, lambda *a: _lcp_numpy(*a, first=_LCP_HEAD)):
+    for f in (lcp, lcp_near, lcp_numpy, lambda *a: lcp_numpy(*a, first=_LCP_HEAD)):
         assert f(key, toks, 7) == expect
         assert f(key, toks, 7, 0) == expect
         s = 5
@@ -325,7 +325,7 @@ def test_eviction_index_tracks_leaves_locks_and_recency():
     for _ in range(200):  # heap stays compact under churn
         t.observe(t.match([5, 6]))
         t.observe(t.match([1, 2]))
-    assert len(t._lru_heap) <= 2 * len(t.evictable_leaves) + 64
+    assert len(t.leaf_heap) <= 2 * len(t.evictable_leaves) + 64
     t.check()
     while (leaf := t.lru_leaf()) is not None:
         t.drop_leaf(leaf)

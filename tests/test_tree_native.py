@@ -1,9 +1,9 @@
 """The radix tree's C fast path (``sglang_sparse.tree._lcp_native``) against its pure-Python twins.
 
-* ``lcp`` vs ``_lcp_numpy`` vs a naive loop on random inputs and the edge cases (empty sides, full
+* ``lcp`` vs ``lcp_numpy`` vs a naive loop on random inputs and the edge cases (empty sides, full
   match, a difference at the first / last token, unequal lengths, offsets past the end, strided
   views, block boundaries of the C routine) and its argument validation.
-* ``walk`` vs ``_walk_py`` on random trees.
+* ``walk`` vs ``walk_py`` on random trees.
 * A whole randomised match/insert/evict workload run with the C routines and with the fallbacks
   (monkeypatched in) gives identical results and trees.
 
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from sglang_sparse.tree import RadixTree, radix
-from sglang_sparse.tree.radix import _LCP_HEAD, HAVE_NATIVE_LCP, _lcp_numpy, _walk_py
+from sglang_sparse.tree import lcp as lcp_module
+from sglang_sparse.tree.lcp import _LCP_HEAD, HAVE_NATIVE_LCP, lcp_numpy, walk_py
 
 native = pytest.mark.skipif(not HAVE_NATIVE_LCP, reason="C extension _lcp_native not built")
 
@@ -78,8 +79,8 @@ def test_native_lcp_agrees_with_numpy_and_naive():
         assert lcp(key, tokens, offset, start) == expect, (len(key), len(tokens), offset, start)
         if start == 0:
             assert lcp(key, tokens, offset) == expect
-        assert _lcp_numpy(key, tokens, offset, start) == expect
-        assert _lcp_numpy(key, tokens, offset, start, _LCP_HEAD) == expect
+        assert lcp_numpy(key, tokens, offset, start) == expect
+        assert lcp_numpy(key, tokens, offset, start, _LCP_HEAD) == expect
 
 
 @native
@@ -139,7 +140,7 @@ def test_native_walk_agrees_with_python_walk():
                     if len(first.key) != 1:
                         continue
                     children = first.children  # resume below a one-token edge
-                got, want = walk(children, q, d0), _walk_py(children, q, d0)
+                got, want = walk(children, q, d0), walk_py(children, q, d0)
                 assert got[0] == want[0] and got[2] == want[2]
                 assert len(got[1]) == len(want[1]) and all(
                     a is b for a, b in zip(got[1], want[1], strict=True)
@@ -186,15 +187,15 @@ def test_tree_with_fallbacks_equals_tree_with_c(monkeypatch: pytest.MonkeyPatch)
 
     def lcp(k: np.ndarray, t: np.ndarray, o: int, s: int = 0) -> int:
         calls["lcp"] += 1
-        return _lcp_numpy(k, t, o, s)
+        return lcp_numpy(k, t, o, s)
 
     def walk(children: dict, t: np.ndarray, d: int) -> tuple:
         calls["walk"] += 1
-        return _walk_py(children, t, d)
+        return walk_py(children, t, d)
 
-    monkeypatch.setattr(radix, "_lcp", lcp)
-    monkeypatch.setattr(radix, "_lcp_near", lambda k, t, o, s=0: _lcp_numpy(k, t, o, s, _LCP_HEAD))
-    monkeypatch.setattr(radix, "_walk", walk)
+    monkeypatch.setattr(lcp_module, "lcp", lcp)  # same_prefix (insert hints)
+    monkeypatch.setattr(radix, "lcp_near", lambda k, t, o, s=0: lcp_numpy(k, t, o, s, _LCP_HEAD))
+    monkeypatch.setattr(radix, "walk", walk)
     assert _workload(11) == with_c
     assert calls["walk"] > 600  # the fallbacks really ran
 

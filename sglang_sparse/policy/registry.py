@@ -31,8 +31,9 @@ oracle         as sparse, per-edge law = the whole    as sparse (simulator only:
                trace's true overlap depths            provider)
 =============  =====================================  ==============================================
 
-Published baselines (simulator only; :data:`PUBLISHED_POLICIES`, implemented in :mod:`.published`
-line by line after github.com/ruipeterpan/marconi, the Marconi paper's simulator). They keep the
+Published baselines (simulator only; :data:`PUBLISHED_POLICIES`, implemented in
+:mod:`sglang_sparse.sim.published_caches` line by line after github.com/ruipeterpan/marconi, the
+Marconi paper's simulator). They keep the
 reference's own tree (a state at every node end, eviction before insertion by an estimate, no
 locks), so they are not :class:`PolicySpec` entries and never reach the SGLang adapter:
 

@@ -1,4 +1,4 @@
-"""Trace replay of the published Marconi-paper baselines (:mod:`sglang_sparse.policy.published`).
+"""Trace replay of the published Marconi-paper baselines (:mod:`sglang_sparse.sim.published_caches`).
 
 Same request loop as the reference's ``policy_exploration.py: run_trace_with_config`` (match the
 input, insert input + output) and the same :class:`SimResult` fields as :func:`.simulate`, with the
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sglang_sparse.policy import ModelCostModel
-from sglang_sparse.policy.published import PublishedModel, as_published_model, make_published_cache
 
 from .common import RequestRecord, SimResult, prepare_requests
+from .published_caches import PublishedModel, as_published_model, make_published_cache
 from .trace import SimRequest
 
 
@@ -33,7 +33,7 @@ def simulate_published(
     """Replay ``requests`` through the published baseline ``policy`` of ``cache_bytes`` bytes.
 
     ``cost``: a :class:`ModelCostModel` (bytes and FLOPs of that model) or a
-    :class:`~sglang_sparse.policy.published.MarconiModel` (the reference's own formulas).
+    :class:`~sglang_sparse.sim.published_caches.MarconiModel` (the reference's own formulas).
     ``alpha`` fixes Marconi's weight (no tuning); ``check`` asserts the tree's counters per request;
     ``cache_kwargs`` go to the cache (e.g. ``bootstrap_multiplier``, ``tuner_workers``).
     """

@@ -1,13 +1,13 @@
-/* C fast paths of the radix tree (sglang_sparse/tree/radix.py), which falls back to its pure-Python
+/* C fast paths of the radix tree (sglang_sparse/tree/lcp.py), which falls back to its pure-Python
  * twins (same results) when this extension was not built:
  *
- * lcp(key, tokens, offset, start=0) -> int                       (twin: radix.py:_lcp_numpy)
+ * lcp(key, tokens, offset, start=0) -> int                       (twin: lcp.py:lcp_numpy)
  *     Number of leading positions i >= 0 with key[start + i] == tokens[offset + i], stopping at the
  *     shorter of key[start:] and tokens[offset:] (0 when either is empty or out of range). Both
  *     arguments are 1-D buffers of 4-byte signed integers (int32 numpy arrays, any stride); offset
  *     and start are token indices >= 0.
  *
- * walk(children, tokens, depth) -> (depth, path, versions)       (twin: radix.py:_walk_py)
+ * walk(children, tokens, depth) -> (depth, path, versions)       (twin: lcp.py:walk_py)
  *     The pure descent of RadixTree.match, see spc_walk below.
  *
  * LCP method: a divergence in the first tokens is common (hint resumption, short leaf edges), so the
@@ -131,7 +131,7 @@ static PyObject *spc_lcp(PyObject *self, PyObject *const *args, Py_ssize_t nargs
  * fully matched, the tokens end or no child matches. ``path`` is the tuple of visited children (in
  * order), ``versions`` their ``version`` ints. Node attributes are read by name (``key``: a 1-D
  * int32 buffer, ``children``: a dict, ``version``), so any object with them works; same results as
- * radix.py:_walk_py. */
+ * lcp.py:walk_py. */
 static PyObject *str_key, *str_children, *str_version;
 
 static PyObject *spc_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

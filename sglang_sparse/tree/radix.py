@@ -15,12 +15,13 @@ The tree is the *mechanism*; which checkpoints to capture and what to evict is d
   the freed handles; the policy layer orders them.
 
 Hot paths (a 32k-token prompt in a ~10k-node tree): :meth:`match` is one call of the descent
-``_walk`` (C in ``_lcp_native`` when built at install time, else :func:`_walk_py`), which compares
-each edge once with a longest-common-prefix routine (``_lcp``: C ``memcmp`` blocks, else the chunked
-numpy :func:`_lcp_numpy`; every token is compared exactly, no hashing). :meth:`insert` accepts the
-:class:`MatchResult` of the same request as ``hint`` and resumes from its end instead of re-walking
-the path (validated by node versions, so a stale hint silently falls back to a full walk). An
-LRU-ordered heap of evictable leaves and the sets :attr:`RadixTree.evictable_leaves` /
+:func:`~.lcp.walk` (C in ``_lcp_native`` when built at install time, else :func:`~.lcp.walk_py`),
+which compares each edge once with a longest-common-prefix routine (:func:`~.lcp.lcp`: C ``memcmp``
+blocks, else the chunked numpy :func:`~.lcp.lcp_numpy`; every token is compared exactly, no
+hashing). :meth:`insert` accepts the :class:`MatchResult` of the same request as ``hint`` and
+resumes from its end instead of re-walking the path (validated by node versions, so a stale hint
+silently falls back to a full walk). An LRU-ordered heap of evictable leaves
+(:class:`~.lru.LeafHeap`) and the sets :attr:`RadixTree.evictable_leaves` /
 :attr:`RadixTree.evictable_ckpt_nodes` are maintained incrementally (O(log n) per change) so an
 evictor does not enumerate every node.
 
@@ -37,8 +38,7 @@ ancestor's DP then puts a checkpoint, making the assumption true for its childre
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -46,136 +46,10 @@ import numpy as np
 
 from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram, grid_candidates, solve_dp
 
+from .lcp import Tokens, as_tokens, lcp_near, same_prefix, walk
+from .lru import LeafHeap
 from .node import EMPTY_KEY, Node
 from .snapshot import TreeSnapshot, tree_from_snapshot, tree_to_snapshot
-
-Tokens = Sequence[int] | np.ndarray
-_INT32 = np.dtype(np.int32)  # the canonical int32 descriptor (an identity check is ~4x cheaper than ==)
-
-
-def as_tokens(tokens: Tokens) -> np.ndarray:
-    """Token ids as a 1-D int32 array (no copy when already one).
-
-    Python lists/tuples whose first element is an ``int`` are converted with ``np.fromiter`` (about
-    twice as fast as ``np.asarray(...).astype(np.int32)``; ids outside int32 raise ``ValueError``;
-    ~15 ns per token is the floor of unboxing Python ints). Buffers (``array('q')``, int ndarrays) are
-    cast without a Python loop.
-    """
-    if (
-        type(tokens) is np.ndarray
-        and (tokens.dtype is _INT32 or tokens.dtype == np.int32)
-        and tokens.ndim == 1
-    ):
-        return tokens
-    if isinstance(tokens, list | tuple) and tokens and type(tokens[0]) is int:
-        try:
-            return np.fromiter(tokens, dtype=np.int32, count=len(tokens))
-        except OverflowError as e:
-            raise ValueError(f"token ids must fit in int32: {e}") from None
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens must be a 1-D sequence of ints, got shape {arr.shape}")
-    if arr.dtype != np.int32:
-        if arr.size and arr.dtype.kind not in "iu":
-            raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int32)
-    return arr
-
-
-_LCP_HEAD = 16  # numpy fallback: first window when a divergence right at the start is likely
-_LCP_CHUNK = 16_384  # numpy fallback: window size otherwise (bounds the bool temporary to 16 KiB)
-
-
-def _lcp_numpy(
-    key: np.ndarray, tokens: np.ndarray, offset: int, start: int = 0, first: int = _LCP_CHUNK
-) -> int:
-    """Length of the common prefix of ``key[start:]`` and ``tokens[offset:]`` (int32 arrays; tokens).
-
-    Pure-numpy fallback of the C routine ``_lcp_native.lcp`` (identical results): compares a first
-    window of ``first`` tokens, then windows of ``_LCP_CHUNK`` tokens (``!=`` + short-circuiting bool
-    ``argmax``, ~0.25 ns/token hot + ~1 us per window), stopping at the first window with a
-    difference. A full match costs one pass over ``len(key)`` tokens and allocates at most 16 KiB.
-    """
-    m = min(len(key) - start, len(tokens) - offset)
-    i, step = 0, first
-    while i < m:
-        j = i + step
-        if j > m:
-            j = m
-        neq = key[start + i : start + j] != tokens[offset + i : offset + j]
-        k = int(neq.argmax())
-        if neq[k]:
-            return i + k
-        i, step = j, _LCP_CHUNK
-    return max(m, 0)
-
-
-try:  # built by ``pip install`` (setup.py); optional
-    from ._lcp_native import lcp as _lcp_c
-    from ._lcp_native import walk as _walk_c
-except ImportError:  # no C compiler at install time: the numpy fallbacks give the same results
-    _lcp_c = _walk_c = None
-
-HAVE_NATIVE_LCP = _lcp_c is not None
-"""True when the C routines of ``_lcp_native`` (LCP and the match descent) were built at install time."""
-
-# ``_lcp(key, tokens, offset, start=0)``: length of the common prefix of ``key[start:]`` and
-# ``tokens[offset:]`` (1-D int32 arrays, ``offset, start >= 0``; 0 when either side is empty or out of
-# range). The C routine when built (~0.1 us per call + ~0.1 ns/token hot; memory-bound when cold),
-# else :func:`_lcp_numpy`. ``_lcp_near`` is the same, tuned for a divergence within the first tokens
-# (hint resumption); the C routine always scans its first 16 tokens element-wise.
-if _lcp_c is not None:
-    _lcp = _lcp_near = _lcp_c
-else:
-
-    def _lcp(key: np.ndarray, tokens: np.ndarray, offset: int, start: int = 0) -> int:
-        return _lcp_numpy(key, tokens, offset, start)
-
-    def _lcp_near(key: np.ndarray, tokens: np.ndarray, offset: int, start: int = 0) -> int:
-        return _lcp_numpy(key, tokens, offset, start, _LCP_HEAD)
-
-
-def _walk_py(
-    children: dict[int, Node], t: np.ndarray, d: int
-) -> tuple[int, tuple[Node, ...], tuple[int, ...]]:
-    """The pure descent of :meth:`RadixTree.match` from ``children`` at token index ``d`` (numpy).
-
-    Follows the child keyed by ``t[d]`` and adds the common-prefix length of its key and ``t[d:]`` to
-    ``d`` while edges match fully. Returns ``(d, path, versions)``: the matched depth (tokens), the
-    visited nodes in order (the last one may be matched partially) and their ``version``. Python twin
-    of ``_lcp_native.walk`` (identical results), used when the extension was not built.
-    """
-    path: list[Node] = []
-    n = len(t)
-    while d < n:
-        child = children.get(t.item(d))
-        if child is None:
-            break
-        key = child.key
-        m = len(key)
-        if m <= _LCP_CHUNK and m <= n - d:  # one window: _lcp_numpy inlined (~0.5 us less per edge)
-            neq = key != t[d : d + m]
-            k = int(neq.argmax())
-            if not neq[k]:
-                k = m
-        else:
-            k = _lcp_numpy(key, t, d)
-        path.append(child)
-        d += k
-        if k < m:
-            break
-        children = child.children
-    return d, tuple(path), tuple([p.version for p in path])
-
-
-_walk: Callable[[dict[int, Node], np.ndarray, int], tuple[int, tuple[Node, ...], tuple[int, ...]]] = (
-    _walk_c if _walk_c is not None else _walk_py
-)
-
-
-def _same_prefix(a: np.ndarray, b: np.ndarray, n: int) -> bool:
-    """``a[:n] == b[:n]`` elementwise (both int32, at least ``n`` long)."""
-    return a is b or _lcp(a[:n], b, 0) == n
 
 
 class KVOps:
@@ -415,7 +289,7 @@ class RadixTree:
         #: unlocked interior nodes holding >= 1 checkpoint (``node_states`` / ``ckpt`` candidates).
         self.evictable_ckpt_nodes: set[Node] = set()
         # (last_access, uid, node) for evictable leaves; stale entries are skipped lazily.
-        self._lru_heap: list[tuple[int, int, Node]] = []
+        self.leaf_heap = LeafHeap()
 
     # ------------------------------------------------------------------ accounting
 
@@ -442,11 +316,11 @@ class RadixTree:
     def match(self, tokens: Tokens) -> MatchResult:
         """Longest cached prefix of ``tokens`` and the deepest checkpoint at or before it. Pure.
 
-        Cost: one descent ``_walk`` comparing each token of the matched prefix exactly once (for a
+        Cost: one descent :func:`~.lcp.walk` comparing each token of the matched prefix exactly once (for a
         32k-token prompt ~256 KB of reads, memory-bound when cold) plus ~2 us of Python per call.
         """
         t = as_tokens(tokens)
-        d, path, versions = _walk(self.root.children, t, 0)
+        d, path, versions = walk(self.root.children, t, 0)
         # Deepest checkpoint <= d: on the last edge one at or before d; on any earlier edge (fully
         # matched, so all its checkpoints are <= d) its deepest one; the last such edge wins.
         ck_node, ck_pos, ck_handle = None, 0, None
@@ -659,7 +533,7 @@ class RadixTree:
                     if d < n and (ht is t or (d < len(ht) and ht.item(d) == t.item(d))):
                         k = k0
                     else:
-                        k = k0 + _lcp_near(node.key, t, d, k0)
+                        k = k0 + lcp_near(node.key, t, d, k0)
                     d = node.start + k
                     if k < len(node.key):  # split: the lower part keeps its recency (as in the walk)
                         node = split = self._split(node, k)
@@ -668,7 +542,7 @@ class RadixTree:
         # Descend below ``node`` (the whole walk without a hint), except after a split of the hinted
         # edge: its lower part starts with ``key[k] != t[d]``, so the walk would stop at once.
         if d < n and split is None:
-            d, below, _ = _walk(node.children, t, d)
+            d, below, _ = walk(node.children, t, d)
             if below:
                 node = below[-1]
                 k = d - node.start
@@ -708,11 +582,7 @@ class RadixTree:
             else:
                 self._sync_evictable(node)
             self.evictable_leaves.add(leaf)  # a fresh leaf is unlocked: index it directly
-            leaf.heap_key = now
-            heap = self._lru_heap
-            heapq.heappush(heap, (now, uid, leaf))
-            if len(heap) > 2 * len(self.evictable_leaves) + 64:
-                self._compact_lru_heap()
+            self.leaf_heap.push(leaf, len(self.evictable_leaves))
         else:
             self._sync_evictable(node)  # an existing node whose recency changed
         res.node.seq_end = True  # ends at n: the leaf just made, the split's upper part, or a node end
@@ -750,7 +620,7 @@ class RadixTree:
                     return False
         elif hint.node is not self.root or d:
             return False
-        return ht is t or _same_prefix(ht, t, d)
+        return ht is t or same_prefix(ht, t, d)
 
     # ------------------------------------------------------------------ eviction primitives
 
@@ -859,26 +729,7 @@ class RadixTree:
         self.evictable_ckpt_nodes.discard(node)
         self.evictable_leaves.add(node)
         if node.heap_key != node.last_access:
-            node.heap_key = node.last_access
-            heapq.heappush(self._lru_heap, (node.last_access, node.uid, node))
-            if len(self._lru_heap) > 2 * len(self.evictable_leaves) + 64:
-                self._compact_lru_heap()
-
-    @staticmethod
-    def _heap_entry_valid(entry: tuple[int, int, Node]) -> bool:
-        node = entry[2]
-        return node.alive and node.lock_ref == 0 and not node.children and node.last_access == entry[0]
-
-    def _compact_lru_heap(self) -> None:
-        """Drop stale heap entries (keeps the heap within 2x the evictable leaves + 64)."""
-        keep = []
-        for e in self._lru_heap:
-            if self._heap_entry_valid(e):
-                keep.append(e)
-            elif e[2].heap_key == e[0]:
-                e[2].heap_key = -1
-        heapq.heapify(keep)
-        self._lru_heap = keep
+            self.leaf_heap.push(node, len(self.evictable_leaves))
 
     def lru_leaf(self) -> Node | None:
         """The least recently used evictable leaf (min ``(last_access, uid)``), or ``None``.
@@ -887,30 +738,12 @@ class RadixTree:
         evict it with :meth:`drop_leaf` (its parent then enters the index if it became an unlocked
         leaf). This is the whole candidate search of an LRU (``alpha = 0``) leaf evictor.
         """
-        heap = self._lru_heap
-        while heap:
-            e = heap[0]
-            if self._heap_entry_valid(e):
-                return e[2]
-            heapq.heappop(heap)
-            if e[2].heap_key == e[0]:
-                e[2].heap_key = -1
-        return None
+        return self.leaf_heap.first()
 
     def iter_lru_leaves(self) -> Iterator[Node]:
         """Evictable leaves in LRU order (``(last_access, uid)`` ascending), lazily: the first ``k``
         cost O(k log k). Do not mutate the tree while iterating (collect first, then drop)."""
-        heap = self._lru_heap
-        if not heap:
-            return
-        frontier = [(heap[0], 0)]
-        while frontier:
-            e, i = heapq.heappop(frontier)
-            if self._heap_entry_valid(e):
-                yield e[2]
-            for c in (2 * i + 1, 2 * i + 2):
-                if c < len(heap):
-                    heapq.heappush(frontier, (heap[c], c))
+        return self.leaf_heap.iter_lru()
 
     # ------------------------------------------------------------------ inspection
 
@@ -1017,7 +850,7 @@ class RadixTree:
         assert ev_leaves == self.evictable_leaves, ev_leaves ^ self.evictable_leaves
         ev_ck = {n for n in self.nodes() if n.children and n.checkpoints and n.lock_ref == 0}
         assert ev_ck == self.evictable_ckpt_nodes, ev_ck ^ self.evictable_ckpt_nodes
-        in_heap = {(e[2].uid, e[0]) for e in self._lru_heap}
+        in_heap = {(e[2].uid, e[0]) for e in self.leaf_heap.entries}
         for n in ev_leaves:
             assert n.heap_key == n.last_access and (n.uid, n.last_access) in in_heap, n
         assert self.lru_leaf() is min(ev_leaves, key=lambda n: (n.last_access, n.uid), default=None)
@@ -1048,7 +881,7 @@ _TREE_ATTRS = frozenset(
         "leaves",
         "evictable_leaves",
         "evictable_ckpt_nodes",
-        "_lru_heap",
+        "leaf_heap",
     }
 )
 

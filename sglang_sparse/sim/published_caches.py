@@ -5,7 +5,8 @@ Reference: github.com/ruipeterpan/marconi, commit ``08016617b1524e6bf6ac29b68064
 its bookkeeping quirks (listed per class), so that replaying a trace gives the same per-request hits
 as the reference (``benchmarks/baseline_fidelity.py`` checks this against the reference code itself).
 The improved variants of the same ideas are the registry policies ``lru``, ``marconi``, ``block32``
-(:mod:`sglang_sparse.policy.registry`); these are the ``*_published`` ones.
+(:mod:`sglang_sparse.policy.registry`); these are the ``*_published`` ones, simulator-only (the trace
+replay is :mod:`.published`).
 
 Common to all three (``policy_exploration.py: run_trace_with_config``): per request,
 ``match_prefix(input)`` then ``insert(input + output)``; the cache is a radix tree in which **every
@@ -33,10 +34,10 @@ from typing import Protocol
 
 import numpy as np
 
-from sglang_sparse.tree.radix import _lcp, as_tokens
-
-from .cost_model import ModelCostModel
-from .tuner import AlphaTuner
+from sglang_sparse.policy.cost_model import ModelCostModel
+from sglang_sparse.policy.registry import get_published
+from sglang_sparse.policy.tuner import AlphaTuner
+from sglang_sparse.tree.lcp import as_tokens, lcp
 
 #: ``config_tuner.py: ConfigTuner.tune_config`` default ``weights``
 MARCONI_ALPHA_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(21))
@@ -316,7 +317,7 @@ class PublishedHybridCache:
             child = node.children.get(int(tokens[pos]))
             if child is None:
                 break
-            m = _lcp(child.key, tokens, pos)
+            m = lcp(child.key, tokens, pos)
             if m == len(child.key):
                 hit += m
                 deepest = child
@@ -368,7 +369,7 @@ class PublishedHybridCache:
                 self.num_nodes += 1
                 self.kv_tokens += n - pos
                 return created + 1
-            m = _lcp(child.key, tokens, pos)
+            m = lcp(child.key, tokens, pos)
             if m == len(child.key):
                 if pos + m == n:  # already cached; the child is not stamped
                     return created
@@ -607,7 +608,7 @@ class PublishedBlockCache:
             if not node.children:
                 break
             kids = list(node.children.values())
-            stats = [_lcp(c.key, tokens, pos) for c in kids]
+            stats = [lcp(c.key, tokens, pos) for c in kids]
             mx = max(stats)
             if mx == self.block:
                 child = kids[stats.index(mx)]
@@ -645,7 +646,7 @@ class PublishedBlockCache:
             node.ts = now
             if node.children:
                 kids = list(node.children.values())
-                stats = [_lcp(c.key, tokens, pos) for c in kids]
+                stats = [lcp(c.key, tokens, pos) for c in kids]
                 mx = max(0, *stats)
                 nxt = next((c for p, c in zip(stats, kids, strict=True) if p == len(c.key) == mx), None)
                 if nxt is not None:
@@ -724,11 +725,10 @@ def make_published_cache(
     alpha: float | None = None,
     **kwargs: object,
 ) -> PublishedCache:
-    """The cache of the published policy ``name`` (see :data:`~.registry.PUBLISHED_POLICIES`);
+    """The cache of the published policy ``name`` (see
+    :data:`~sglang_sparse.policy.registry.PUBLISHED_POLICIES`);
     ``alpha`` fixes Marconi's weight (version 3, no tuning). ``kwargs`` go to the cache's constructor;
     the alpha-tuning ones (:data:`TUNING_KWARGS`) are ignored by the block cache."""
-    from .registry import get_published
-
     spec = get_published(name)
     if spec.kind == "block":
         if alpha not in (None, 0.0):
