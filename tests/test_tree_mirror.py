@@ -115,8 +115,8 @@ def test_mirror_holds_no_tokens_and_is_o_nodes() -> None:
     assert m.num_nodes == 51 and m.kv_tokens == 32_050
     for n in m.nodes():
         assert not isinstance(n.key, np.ndarray) and len(n.key) == n.num_tokens
-    with pytest.raises(MirrorError):
-        m.path_tokens(next(m.nodes()))
+    for token_op in ("match", "insert", "path_tokens", "kv_handles"):
+        assert not hasattr(m, token_op), token_op  # a CheckpointTree, not a RadixTree
 
 
 def test_deep_chain_no_recursion() -> None:

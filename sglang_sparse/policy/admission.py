@@ -35,7 +35,7 @@ output tokens; positions ``<= len(input)`` are captured during prefill, deeper o
 from __future__ import annotations
 
 from sglang_sparse.placement import DEFAULT_GRID
-from sglang_sparse.tree import MatchResult, RadixTree
+from sglang_sparse.tree import CheckpointTree, MatchResult
 
 from .tail_prior import TailPrior
 
@@ -62,7 +62,7 @@ def marconi_branch_point(match: MatchResult, input_len: int, grid: int = DEFAULT
 
 def capture_positions(
     kind: str,
-    tree: RadixTree,
+    tree: CheckpointTree,
     match: MatchResult,
     input_len: int,
     total_len: int,

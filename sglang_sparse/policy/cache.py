@@ -28,6 +28,7 @@ from typing import Any
 
 from sglang_sparse.placement import DEFAULT_GRID
 from sglang_sparse.tree import (
+    CheckpointTree,
     Freed,
     InsertResult,
     KVOps,
@@ -184,7 +185,7 @@ class HybridCache:
         self.chains = ChainTracker(grid=grid)
         self.evictor = self._new_evictor(self.tree, alpha if self.spec.flop_aware else 0.0)
 
-    def _new_evictor(self, tree: RadixTree, alpha: float) -> Evictor:
+    def _new_evictor(self, tree: CheckpointTree, alpha: float) -> Evictor:
         return Evictor(
             tree,
             self.spec.eviction,
@@ -258,7 +259,7 @@ class HybridCache:
             cache.chains.next_id = int(t.chain.max()) + 1
         return cache
 
-    def use_tree(self, tree: RadixTree) -> None:
+    def use_tree(self, tree: CheckpointTree) -> None:
         """Run this cache's policy on ``tree`` (an engine mirror) with a fresh evictor over it."""
         self.tree = tree
         self.evictor = self._new_evictor(tree, self.evictor.alpha)

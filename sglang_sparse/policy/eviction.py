@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from sglang_sparse.tree import Freed, Node, RadixTree
+from sglang_sparse.tree import CheckpointTree, Freed, Node
 
 from .eviction_index import CKPT, LEAF, NODE_STATES, CandidateIndex, ChainClock, Terms, candidate_score
 
@@ -149,7 +149,7 @@ class CandidateTerms:
 
     def __init__(
         self,
-        tree: RadixTree,
+        tree: CheckpointTree,
         config: EvictionConfig,
         cost: ModelCostModel | None,
         alpha: float = 0.0,

@@ -75,7 +75,7 @@ import numpy as np
 from sglang_sparse.tree import Node
 
 if TYPE_CHECKING:
-    from sglang_sparse.tree import RadixTree
+    from sglang_sparse.tree import CheckpointTree
 
     from .cost_model import ModelCostModel
 
@@ -271,7 +271,7 @@ class EvictorView(Protocol):
     ``probation`` maps state handles to their tier (:data:`PROBATION` / :data:`SPARE`). The methods
     are ``CandidateTerms``'s: the candidates and their raw :data:`Terms` the rows must equal."""
 
-    tree: RadixTree
+    tree: CheckpointTree
     config: ConfigView
     cost: ModelCostModel | None
     alpha: float

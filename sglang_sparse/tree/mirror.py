@@ -4,10 +4,11 @@ The serving engine (SGLang's ``UnifiedTreeCore``) owns the real tree: token keys
 state slots, locks. The policy (per-edge depth histograms and DP plans, checkpoint recency, the
 eviction scorer's candidate index, the tail prior) needs the tree's *shape* only: which node hangs
 under which, each edge's depth span ``(start, end]``, which nodes hold a recurrent state. A
-:class:`MirrorTree` is a :class:`~sglang_sparse.tree.RadixTree` (so every policy function runs on it
-unchanged) whose nodes are created, split and removed by the engine's events, keyed by the engine's
-node ids, and that holds **no token sequence**: a node's ``key`` is a :class:`Span` (edge length +
-first token, for the ``children`` dict). Memory is O(nodes), independent of prompt lengths.
+:class:`MirrorTree` is a :class:`~sglang_sparse.tree.radix.CheckpointTree` (the structure every
+policy function runs on, unchanged; no token matching) whose nodes are created, split and removed
+by the engine's events, keyed by the engine's node ids, and that holds **no token sequence**: a
+node's ``key`` is a :class:`Span` (edge length + first token, for the ``children`` dict). Memory
+is O(nodes), independent of prompt lengths.
 
 Correspondence (an invariant; :meth:`MirrorTree.check_against` verifies it against a description of
 the engine's tree):
@@ -24,7 +25,7 @@ new upper node takes the first ``k`` tokens, ``child`` keeps its id and the lowe
 :meth:`remove_leaf`, :meth:`set_state` / :meth:`drop_state`, :meth:`reset`. Every node an event
 changes is passed to ``on_change`` (the evictor's incremental candidate index listens there).
 
-Units: depths and lengths in tokens, memory in bytes (as :class:`RadixTree`).
+Units: depths and lengths in tokens, memory in bytes (as :class:`CheckpointTree`).
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .node import Node
-from .radix import MatchResult, RadixTree, _make_match, split_node_state
+from .radix import CheckpointTree, MatchResult, _make_match, split_node_state
 
 
 class Span:
     """The key of a mirror edge: its length (tokens) and ``first``, the engine's child key of the
     edge (its first token, or a hashable tuple when the engine namespaces keys); no token sequence.
 
-    Supports what :class:`RadixTree`'s shape-only code uses of a key: ``len``, ``item(0)`` and
+    Supports what :class:`CheckpointTree`'s shape-only code uses of a key: ``len``, ``item(0)`` and
     ``[0]`` (the ``children`` dict key)."""
 
     __slots__ = ("n", "first")
@@ -70,13 +71,15 @@ class MirrorError(RuntimeError):
     """An engine event does not fit the mirror (the mirror drifted from the engine's tree)."""
 
 
-class MirrorTree(RadixTree):
-    """A :class:`RadixTree` whose structure follows an engine tree's events (module docstring).
+class MirrorTree(CheckpointTree):
+    """A :class:`~sglang_sparse.tree.radix.CheckpointTree` whose structure follows an engine tree's
+    events (module docstring).
 
     ``root_id``: the engine's root node id. ``on_change``: called with every node an event changed
     (created, split, removed, state set/dropped, recency refreshed outside :meth:`observe`).
-    Other arguments as :class:`RadixTree`. :meth:`match` / :meth:`insert` are unavailable (no
-    tokens): build matches with :meth:`match_result` from the engine's match instead.
+    Other arguments as :class:`~sglang_sparse.tree.radix.CheckpointTree`. It holds no tokens, so it
+    has no ``match`` / ``insert`` (those are :class:`~sglang_sparse.tree.radix.RadixTree`'s): build
+    matches with :meth:`match_result` from the engine's match instead.
     """
 
     def __init__(
@@ -103,7 +106,7 @@ class MirrorTree(RadixTree):
         """Forget every node (the engine rebuilt its tree with root ``root_id``); keeps the
         configuration and the logical clock."""
         clock, uid = self.clock, self._uid
-        RadixTree.__init__(
+        CheckpointTree.__init__(
             self,
             self.kv_bytes_per_token,
             self.state_bytes,
@@ -117,21 +120,10 @@ class MirrorTree(RadixTree):
         self.clock, self._uid = clock, uid
         self._set_root(root_id)
 
-    # ------------------------------------------------------------------ unsupported (no tokens)
-
-    def match(self, tokens: Any) -> MatchResult:  # noqa: ARG002
-        raise MirrorError("a MirrorTree holds no tokens: use match_result() with the engine's match")
-
-    def insert(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG002
-        raise MirrorError("a MirrorTree changes only through engine events (add_node, set_state, ...)")
-
-    def path_tokens(self, node: Node) -> Any:  # noqa: ARG002
-        raise MirrorError("a MirrorTree holds no tokens")
-
     # ------------------------------------------------------------------ lookup
 
     def _plans_edge_end(self, node: Node) -> bool:
-        """No capture at the end of a *structural* edge (:meth:`RadixTree.planned_captures`): an
+        """No capture at the end of a *structural* edge (:meth:`CheckpointTree.planned_captures`): an
         engine's tree (SGLang's) splits an edge at every state it ever inserted, and keeps the
         boundary when the state is evicted, so a chain of short single-child edges ends at old state
         positions. Every request passing through such an edge counts at its end (pass-through
@@ -331,7 +323,7 @@ class MirrorTree(RadixTree):
     def check_against(self, engine_nodes: Iterable[tuple[int, int | None, int, bool]]) -> None:
         """Assert the correspondence invariant against the engine's tree, described as
         ``(node_id, parent_id, edge_length, holds_state)`` for every non-root node; then the
-        mirror's own invariants (:meth:`RadixTree.check`). Raises :class:`MirrorError`."""
+        mirror's own invariants (:meth:`CheckpointTree.check`). Raises :class:`MirrorError`."""
         seen = 0
         for nid, pid, length, has_state in engine_nodes:
             seen += 1
@@ -359,5 +351,5 @@ class MirrorTree(RadixTree):
             )
         try:
             self.check()
-        except AssertionError as e:  # RadixTree.check asserts
+        except AssertionError as e:  # CheckpointTree.check asserts
             raise MirrorError(f"mirror invariant broken: {e}") from None

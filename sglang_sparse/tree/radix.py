@@ -224,8 +224,11 @@ def split_node_state(node: Node, up: Node, at: int) -> None:
 LawProvider = Callable[[Node, "RadixTree"], tuple[np.ndarray, np.ndarray]]
 
 
-class RadixTree:
-    """Radix tree of cached token prefixes with KV handles and sparse recurrent checkpoints.
+class CheckpointTree:
+    """The structure of a prefix tree with sparse recurrent checkpoints, without tokens: nodes and
+    their edges' lengths, checkpoint sets, byte accounting, locks, the per-edge depth histograms and
+    plans, and the eviction index. :class:`RadixTree` adds the tokens (match and insert);
+    :class:`~sglang_sparse.tree.mirror.MirrorTree` follows an engine's tree by its events.
 
     Parameters: ``kv_bytes_per_token`` and ``state_bytes`` (one checkpoint, all recurrent layers)
     size the byte accounting; ``gamma``/``refresh`` configure each edge's :class:`DepthHistogram`;
@@ -312,49 +315,6 @@ class RadixTree:
         return self.clock
 
     # ------------------------------------------------------------------ match (pure)
-
-    def match(self, tokens: Tokens) -> MatchResult:
-        """Longest cached prefix of ``tokens`` and the deepest checkpoint at or before it. Pure.
-
-        Cost: one descent :func:`~.lcp.walk` comparing each token of the matched prefix exactly once (for a
-        32k-token prompt ~256 KB of reads, memory-bound when cold) plus ~2 us of Python per call.
-        """
-        t = as_tokens(tokens)
-        d, path, versions = walk(self.root.children, t, 0)
-        # Deepest checkpoint <= d: on the last edge one at or before d; on any earlier edge (fully
-        # matched, so all its checkpoints are <= d) its deepest one; the last such edge wins.
-        ck_node, ck_pos, ck_handle = None, 0, None
-        if path:
-            last = path[-1]
-            if last.checkpoints:
-                hit = last.deepest_checkpoint_at_or_before(d)
-                if hit is not None:
-                    ck_node, (ck_pos, ck_handle) = last, hit
-            if ck_node is None:
-                for i in range(len(path) - 2, -1, -1):
-                    ck = path[i].checkpoints
-                    if ck:
-                        ck_node = path[i]
-                        ck_pos, ck_handle = ck.peekitem(-1)
-                        break
-        else:
-            last = self.root
-        return _make_match(d, ck_pos, last, ck_node, ck_handle, path, t, versions)
-
-    def kv_handles(self, match: MatchResult, depth: int | None = None) -> list[Any]:
-        """Per-edge KV handles covering tokens ``[0, depth)`` of a match (default ``resume_depth``)."""
-        depth = match.resume_depth if depth is None else depth
-        if not 0 <= depth <= match.kv_depth:
-            raise ValueError(f"depth {depth} outside [0, kv_depth={match.kv_depth}]")
-        out = []
-        for node in match.path:
-            if node.start >= depth:
-                break
-            if node.end <= depth:
-                out.append(node.kv)
-            else:
-                out.append(self.kv_ops.split(node.kv, depth - node.start)[0])
-        return out
 
     # ------------------------------------------------------------------ observe
 
@@ -479,6 +439,286 @@ class RadixTree:
         split_node_state(node, up, at)
         self.num_nodes += 1
         return up
+
+    # ------------------------------------------------------------------ eviction primitives
+
+    def drop_checkpoint(self, node: Node, pos: int) -> Freed:
+        """Remove one checkpoint (thin the edge, keep its KV). The node must be unlocked."""
+        if node.lock_ref > 0:
+            raise ValueError(f"cannot drop a checkpoint of locked {node!r}")
+        h = node.checkpoints.pop(pos)
+        del node.ckpt_access[pos]
+        self.num_states -= 1
+        if not node.checkpoints:
+            self.evictable_ckpt_nodes.discard(node)
+        return Freed(states=[h], bytes=self.state_bytes)
+
+    def split_at(self, node: Node, depth: int) -> Node:
+        """Split ``node``'s edge at absolute token depth ``depth`` (``node.start < depth < node.end``)
+        and return the new upper node; ``node`` keeps the lower part (its identity, children and the
+        checkpoints deeper than ``depth``). Frees nothing; bytes are unchanged."""
+        if node.parent is None or not node.alive:
+            raise ValueError(f"cannot split {node!r}")
+        if not node.start < depth < node.end:
+            raise ValueError(f"split depth {depth} not strictly inside edge ({node.start}, {node.end})")
+        up = self._split(node, depth - node.start)
+        self._sync_evictable(up)
+        self._sync_evictable(node)
+        return up
+
+    def truncate(self, leaf: Node, depth: int) -> tuple[Freed, Node]:
+        """Drop the part of unlocked ``leaf`` below absolute depth ``depth``: its KV and the
+        checkpoints deeper than ``depth`` (``leaf.start < depth < leaf.end``). Returns what was
+        freed and the surviving upper node (a leaf, ending at ``depth``)."""
+        if not leaf.alive or leaf.children:
+            raise ValueError(f"not a live leaf: {leaf!r}")
+        if leaf.lock_ref > 0:
+            raise ValueError(f"cannot truncate locked {leaf!r}")
+        up = self.split_at(leaf, depth)
+        return self.drop_leaf(leaf), up
+
+    def drop_leaf(self, node: Node) -> Freed:
+        """Remove an unlocked leaf: its KV and all its checkpoints."""
+        if not node.is_leaf or not node.alive:
+            raise ValueError(f"not a live leaf: {node!r}")
+        if node.lock_ref > 0:
+            raise ValueError(f"cannot evict locked {node!r}")
+        parent = node.parent
+        del parent.children[node.key.item(0)]
+        freed = Freed(kv=[node.kv], states=list(node.checkpoints.values()), kv_tokens=node.num_tokens)
+        freed.bytes = self.node_bytes(node)
+        self.kv_tokens -= node.num_tokens
+        self.num_states -= len(node.checkpoints)
+        self.num_nodes -= 1
+        node.alive = False
+        node.version += 1
+        self.leaves.discard(node)
+        self.evictable_leaves.discard(node)
+        if parent.parent is not None and not parent.children:
+            self.leaves.add(parent)
+            self._sync_evictable(parent)
+        return freed
+
+    def merge_with_child(self, node: Node) -> Node:
+        """Merge a single-child, unlocked node into its child (Marconi). Frees nothing; the child
+        survives with the concatenated edge, KV, checkpoints and histogram. Returns the child."""
+        if node.parent is None or len(node.children) != 1 or node.lock_ref > 0:
+            raise ValueError(f"can only merge an unlocked single-child node, got {node!r}")
+        (child,) = node.children.values()
+        parent = node.parent
+        child.hist = _merge_hist(node.hist, child.hist, node.end)
+        child.plan = node.plan + child.plan
+        child.plan_fresh = False
+        child.key = np.concatenate([node.key, child.key])
+        child.kv = self.kv_ops.concat(node.kv, child.kv)
+        child.start = node.start
+        child.parent = parent
+        child.checkpoints.update(node.checkpoints)
+        child.ckpt_access.update(node.ckpt_access)
+        child.last_access = max(child.last_access, node.last_access)
+        parent.children[child.key.item(0)] = child
+        node.alive = False
+        node.version += 1
+        child.version += 1
+        self.num_nodes -= 1
+        self.evictable_ckpt_nodes.discard(node)
+        self._sync_evictable(child)
+        return child
+
+    # ------------------------------------------------------------------ eviction index
+
+    def _sync_evictable(self, node: Node) -> None:
+        """Recompute ``node``'s membership in the eviction index after a change of its lock count,
+        children, checkpoints, recency or liveness. O(1), plus one heap push (O(log n)) when it is an
+        evictable leaf whose recency has no heap entry yet."""
+        if node.parent is None:
+            return
+        if not node.alive or node.lock_ref > 0:
+            self.evictable_leaves.discard(node)
+            self.evictable_ckpt_nodes.discard(node)
+            return
+        if node.children:
+            self.evictable_leaves.discard(node)
+            if node.checkpoints:
+                self.evictable_ckpt_nodes.add(node)
+            else:
+                self.evictable_ckpt_nodes.discard(node)
+            return
+        self.evictable_ckpt_nodes.discard(node)
+        self.evictable_leaves.add(node)
+        if node.heap_key != node.last_access:
+            self.leaf_heap.push(node, len(self.evictable_leaves))
+
+    def lru_leaf(self) -> Node | None:
+        """The least recently used evictable leaf (min ``(last_access, uid)``), or ``None``.
+
+        Amortised O(log n): stale heap entries are discarded on the way. Does not remove the leaf;
+        evict it with :meth:`drop_leaf` (its parent then enters the index if it became an unlocked
+        leaf). This is the whole candidate search of an LRU (``alpha = 0``) leaf evictor.
+        """
+        return self.leaf_heap.first()
+
+    def iter_lru_leaves(self) -> Iterator[Node]:
+        """Evictable leaves in LRU order (``(last_access, uid)`` ascending), lazily: the first ``k``
+        cost O(k log k). Do not mutate the tree while iterating (collect first, then drop)."""
+        return self.leaf_heap.iter_lru()
+
+    # ------------------------------------------------------------------ inspection
+
+    def nodes(self) -> Iterator[Node]:
+        """All nodes except the root, parents before children (deterministic order)."""
+        stack = list(reversed(list(self.root.children.values())))
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(reversed(list(n.children.values())))
+
+    def fallback_depth(self, node: Node, pos: int) -> int:
+        """Deepest checkpoint strictly before ``pos`` on the path to ``node`` (0 if none)."""
+        ck = node.checkpoints
+        i = ck.bisect_left(pos) - 1
+        if i >= 0:
+            return ck.peekitem(i)[0]
+        n = node.parent
+        while n is not None and n.parent is not None:
+            if n.checkpoints:
+                return n.checkpoints.peekitem(-1)[0]
+            n = n.parent
+        return 0
+
+    # ------------------------------------------------------------------ flat snapshot / copies
+
+    def to_snapshot(self) -> TreeSnapshot:
+        """The tree as a flat :class:`~sglang_sparse.tree.snapshot.TreeSnapshot` (iterative; handles
+        shared, arrays fresh). ``RadixTree.from_snapshot(t.to_snapshot())`` takes the same future
+        decisions as ``t``."""
+        return tree_to_snapshot(self)
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        snap: TreeSnapshot,
+        *,
+        kv_ops: KVOps | None = None,
+        law_provider: LawProvider | None = None,
+    ) -> RadixTree:
+        """Rebuild a tree from ``snap`` (validated: raises ``SnapshotError``, a ``ValueError``, naming
+        the broken invariant). Derived indexes (leaves, evictable sets, LRU heap, totals) are rebuilt."""
+        return tree_from_snapshot(snap, cls=cls, kv_ops=kv_ops, law_provider=law_provider)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickle through the flat snapshot (never recursive in tree depth). Subclasses with their
+        own state (``MirrorTree``) keep the default object protocol."""
+        if type(self) is not RadixTree:
+            return object.__reduce_ex__(self, protocol)
+        extra = {k: v for k, v in self.__dict__.items() if k not in _TREE_ATTRS}
+        return (_rebuild_tree, (self.to_snapshot(), self.kv_ops, self.law_provider, extra))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RadixTree:
+        """Deep copy through the flat snapshot: handles, ``kv_ops`` and ``law_provider`` go through
+        ``copy.deepcopy`` with ``memo`` (so a caller can share e.g. a law provider by seeding it)."""
+        import copy
+
+        if type(self) is not RadixTree:
+            rv = object.__reduce_ex__(self, 4)
+            return copy._reconstruct(self, memo, *rv)  # noqa: SLF001 - the default deepcopy path
+        snap = self.to_snapshot()
+        snap.kv = copy.deepcopy(snap.kv, memo)
+        snap.ckpt_handle = copy.deepcopy(snap.ckpt_handle, memo)
+        extra = {k: v for k, v in self.__dict__.items() if k not in _TREE_ATTRS}
+        out = _rebuild_tree(
+            snap,
+            copy.deepcopy(self.kv_ops, memo),
+            copy.deepcopy(self.law_provider, memo),
+            copy.deepcopy(extra, memo),
+        )
+        memo[id(self)] = out
+        return out
+
+    def check(self) -> None:
+        """Assert every structural and accounting invariant (tests call this after each step)."""
+        kv_tokens = states = count = 0
+        leaves = set()
+        for n in self.nodes():
+            count += 1
+            assert n.alive and n.num_tokens > 0
+            assert n.start == n.parent.end, n
+            assert n.parent.children[n.key.item(0)] is n
+            kv_tokens += n.num_tokens
+            states += len(n.checkpoints)
+            assert set(n.checkpoints) == set(n.ckpt_access)
+            for p in n.checkpoints:
+                assert n.start < p <= n.end, (n, p)
+            lr = sum(c.lock_ref for c in n.children.values())
+            assert n.lock_ref >= lr, n
+            if not n.children:
+                leaves.add(n)
+        assert count == self.num_nodes, (count, self.num_nodes)
+        assert kv_tokens == self.kv_tokens and states == self.num_states
+        assert leaves == self.leaves
+        ev_leaves = {n for n in leaves if n.lock_ref == 0}
+        assert ev_leaves == self.evictable_leaves, ev_leaves ^ self.evictable_leaves
+        ev_ck = {n for n in self.nodes() if n.children and n.checkpoints and n.lock_ref == 0}
+        assert ev_ck == self.evictable_ckpt_nodes, ev_ck ^ self.evictable_ckpt_nodes
+        in_heap = {(e[2].uid, e[0]) for e in self.leaf_heap.entries}
+        for n in ev_leaves:
+            assert n.heap_key == n.last_access and (n.uid, n.last_access) in in_heap, n
+        assert self.lru_leaf() is min(ev_leaves, key=lambda n: (n.last_access, n.uid), default=None)
+
+    def iter_checkpoints(self) -> Iterable[tuple[Node, int, Any]]:
+        for n in self.nodes():
+            for p, h in n.checkpoints.items():
+                yield n, p, h
+
+
+class RadixTree(CheckpointTree):
+    """Radix tree of cached token prefixes with KV handles and sparse recurrent checkpoints: a
+    :class:`CheckpointTree` whose edges hold their token ids (``node.key``), so it can :meth:`match`
+    and :meth:`insert` token sequences (the simulator's tree; an engine's is mirrored instead).
+    """
+
+    def match(self, tokens: Tokens) -> MatchResult:
+        """Longest cached prefix of ``tokens`` and the deepest checkpoint at or before it. Pure.
+
+        Cost: one descent :func:`~.lcp.walk` comparing each token of the matched prefix exactly once (for a
+        32k-token prompt ~256 KB of reads, memory-bound when cold) plus ~2 us of Python per call.
+        """
+        t = as_tokens(tokens)
+        d, path, versions = walk(self.root.children, t, 0)
+        # Deepest checkpoint <= d: on the last edge one at or before d; on any earlier edge (fully
+        # matched, so all its checkpoints are <= d) its deepest one; the last such edge wins.
+        ck_node, ck_pos, ck_handle = None, 0, None
+        if path:
+            last = path[-1]
+            if last.checkpoints:
+                hit = last.deepest_checkpoint_at_or_before(d)
+                if hit is not None:
+                    ck_node, (ck_pos, ck_handle) = last, hit
+            if ck_node is None:
+                for i in range(len(path) - 2, -1, -1):
+                    ck = path[i].checkpoints
+                    if ck:
+                        ck_node = path[i]
+                        ck_pos, ck_handle = ck.peekitem(-1)
+                        break
+        else:
+            last = self.root
+        return _make_match(d, ck_pos, last, ck_node, ck_handle, path, t, versions)
+
+    def kv_handles(self, match: MatchResult, depth: int | None = None) -> list[Any]:
+        """Per-edge KV handles covering tokens ``[0, depth)`` of a match (default ``resume_depth``)."""
+        depth = match.resume_depth if depth is None else depth
+        if not 0 <= depth <= match.kv_depth:
+            raise ValueError(f"depth {depth} outside [0, kv_depth={match.kv_depth}]")
+        out = []
+        for node in match.path:
+            if node.start >= depth:
+                break
+            if node.end <= depth:
+                out.append(node.kv)
+            else:
+                out.append(self.kv_ops.split(node.kv, depth - node.start)[0])
+        return out
 
     def insert(
         self,
@@ -622,139 +862,6 @@ class RadixTree:
             return False
         return ht is t or same_prefix(ht, t, d)
 
-    # ------------------------------------------------------------------ eviction primitives
-
-    def drop_checkpoint(self, node: Node, pos: int) -> Freed:
-        """Remove one checkpoint (thin the edge, keep its KV). The node must be unlocked."""
-        if node.lock_ref > 0:
-            raise ValueError(f"cannot drop a checkpoint of locked {node!r}")
-        h = node.checkpoints.pop(pos)
-        del node.ckpt_access[pos]
-        self.num_states -= 1
-        if not node.checkpoints:
-            self.evictable_ckpt_nodes.discard(node)
-        return Freed(states=[h], bytes=self.state_bytes)
-
-    def split_at(self, node: Node, depth: int) -> Node:
-        """Split ``node``'s edge at absolute token depth ``depth`` (``node.start < depth < node.end``)
-        and return the new upper node; ``node`` keeps the lower part (its identity, children and the
-        checkpoints deeper than ``depth``). Frees nothing; bytes are unchanged."""
-        if node.parent is None or not node.alive:
-            raise ValueError(f"cannot split {node!r}")
-        if not node.start < depth < node.end:
-            raise ValueError(f"split depth {depth} not strictly inside edge ({node.start}, {node.end})")
-        up = self._split(node, depth - node.start)
-        self._sync_evictable(up)
-        self._sync_evictable(node)
-        return up
-
-    def truncate(self, leaf: Node, depth: int) -> tuple[Freed, Node]:
-        """Drop the part of unlocked ``leaf`` below absolute depth ``depth``: its KV and the
-        checkpoints deeper than ``depth`` (``leaf.start < depth < leaf.end``). Returns what was
-        freed and the surviving upper node (a leaf, ending at ``depth``)."""
-        if not leaf.alive or leaf.children:
-            raise ValueError(f"not a live leaf: {leaf!r}")
-        if leaf.lock_ref > 0:
-            raise ValueError(f"cannot truncate locked {leaf!r}")
-        up = self.split_at(leaf, depth)
-        return self.drop_leaf(leaf), up
-
-    def drop_leaf(self, node: Node) -> Freed:
-        """Remove an unlocked leaf: its KV and all its checkpoints."""
-        if not node.is_leaf or not node.alive:
-            raise ValueError(f"not a live leaf: {node!r}")
-        if node.lock_ref > 0:
-            raise ValueError(f"cannot evict locked {node!r}")
-        parent = node.parent
-        del parent.children[node.key.item(0)]
-        freed = Freed(kv=[node.kv], states=list(node.checkpoints.values()), kv_tokens=node.num_tokens)
-        freed.bytes = self.node_bytes(node)
-        self.kv_tokens -= node.num_tokens
-        self.num_states -= len(node.checkpoints)
-        self.num_nodes -= 1
-        node.alive = False
-        node.version += 1
-        self.leaves.discard(node)
-        self.evictable_leaves.discard(node)
-        if parent.parent is not None and not parent.children:
-            self.leaves.add(parent)
-            self._sync_evictable(parent)
-        return freed
-
-    def merge_with_child(self, node: Node) -> Node:
-        """Merge a single-child, unlocked node into its child (Marconi). Frees nothing; the child
-        survives with the concatenated edge, KV, checkpoints and histogram. Returns the child."""
-        if node.parent is None or len(node.children) != 1 or node.lock_ref > 0:
-            raise ValueError(f"can only merge an unlocked single-child node, got {node!r}")
-        (child,) = node.children.values()
-        parent = node.parent
-        child.hist = _merge_hist(node.hist, child.hist, node.end)
-        child.plan = node.plan + child.plan
-        child.plan_fresh = False
-        child.key = np.concatenate([node.key, child.key])
-        child.kv = self.kv_ops.concat(node.kv, child.kv)
-        child.start = node.start
-        child.parent = parent
-        child.checkpoints.update(node.checkpoints)
-        child.ckpt_access.update(node.ckpt_access)
-        child.last_access = max(child.last_access, node.last_access)
-        parent.children[child.key.item(0)] = child
-        node.alive = False
-        node.version += 1
-        child.version += 1
-        self.num_nodes -= 1
-        self.evictable_ckpt_nodes.discard(node)
-        self._sync_evictable(child)
-        return child
-
-    # ------------------------------------------------------------------ eviction index
-
-    def _sync_evictable(self, node: Node) -> None:
-        """Recompute ``node``'s membership in the eviction index after a change of its lock count,
-        children, checkpoints, recency or liveness. O(1), plus one heap push (O(log n)) when it is an
-        evictable leaf whose recency has no heap entry yet."""
-        if node.parent is None:
-            return
-        if not node.alive or node.lock_ref > 0:
-            self.evictable_leaves.discard(node)
-            self.evictable_ckpt_nodes.discard(node)
-            return
-        if node.children:
-            self.evictable_leaves.discard(node)
-            if node.checkpoints:
-                self.evictable_ckpt_nodes.add(node)
-            else:
-                self.evictable_ckpt_nodes.discard(node)
-            return
-        self.evictable_ckpt_nodes.discard(node)
-        self.evictable_leaves.add(node)
-        if node.heap_key != node.last_access:
-            self.leaf_heap.push(node, len(self.evictable_leaves))
-
-    def lru_leaf(self) -> Node | None:
-        """The least recently used evictable leaf (min ``(last_access, uid)``), or ``None``.
-
-        Amortised O(log n): stale heap entries are discarded on the way. Does not remove the leaf;
-        evict it with :meth:`drop_leaf` (its parent then enters the index if it became an unlocked
-        leaf). This is the whole candidate search of an LRU (``alpha = 0``) leaf evictor.
-        """
-        return self.leaf_heap.first()
-
-    def iter_lru_leaves(self) -> Iterator[Node]:
-        """Evictable leaves in LRU order (``(last_access, uid)`` ascending), lazily: the first ``k``
-        cost O(k log k). Do not mutate the tree while iterating (collect first, then drop)."""
-        return self.leaf_heap.iter_lru()
-
-    # ------------------------------------------------------------------ inspection
-
-    def nodes(self) -> Iterator[Node]:
-        """All nodes except the root, parents before children (deterministic order)."""
-        stack = list(reversed(list(self.root.children.values())))
-        while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(reversed(list(n.children.values())))
-
     def path_tokens(self, node: Node) -> np.ndarray:
         """Tokens from the root to the end of ``node``'s edge."""
         keys = []
@@ -762,103 +869,6 @@ class RadixTree:
             keys.append(node.key)
             node = node.parent
         return np.concatenate(keys[::-1]) if keys else EMPTY_KEY
-
-    def fallback_depth(self, node: Node, pos: int) -> int:
-        """Deepest checkpoint strictly before ``pos`` on the path to ``node`` (0 if none)."""
-        ck = node.checkpoints
-        i = ck.bisect_left(pos) - 1
-        if i >= 0:
-            return ck.peekitem(i)[0]
-        n = node.parent
-        while n is not None and n.parent is not None:
-            if n.checkpoints:
-                return n.checkpoints.peekitem(-1)[0]
-            n = n.parent
-        return 0
-
-    # ------------------------------------------------------------------ flat snapshot / copies
-
-    def to_snapshot(self) -> TreeSnapshot:
-        """The tree as a flat :class:`~sglang_sparse.tree.snapshot.TreeSnapshot` (iterative; handles
-        shared, arrays fresh). ``RadixTree.from_snapshot(t.to_snapshot())`` takes the same future
-        decisions as ``t``."""
-        return tree_to_snapshot(self)
-
-    @classmethod
-    def from_snapshot(
-        cls,
-        snap: TreeSnapshot,
-        *,
-        kv_ops: KVOps | None = None,
-        law_provider: LawProvider | None = None,
-    ) -> RadixTree:
-        """Rebuild a tree from ``snap`` (validated: raises ``SnapshotError``, a ``ValueError``, naming
-        the broken invariant). Derived indexes (leaves, evictable sets, LRU heap, totals) are rebuilt."""
-        return tree_from_snapshot(snap, cls=cls, kv_ops=kv_ops, law_provider=law_provider)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """Pickle through the flat snapshot (never recursive in tree depth). Subclasses with their
-        own state (``MirrorTree``) keep the default object protocol."""
-        if type(self) is not RadixTree:
-            return object.__reduce_ex__(self, protocol)
-        extra = {k: v for k, v in self.__dict__.items() if k not in _TREE_ATTRS}
-        return (_rebuild_tree, (self.to_snapshot(), self.kv_ops, self.law_provider, extra))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> RadixTree:
-        """Deep copy through the flat snapshot: handles, ``kv_ops`` and ``law_provider`` go through
-        ``copy.deepcopy`` with ``memo`` (so a caller can share e.g. a law provider by seeding it)."""
-        import copy
-
-        if type(self) is not RadixTree:
-            rv = object.__reduce_ex__(self, 4)
-            return copy._reconstruct(self, memo, *rv)  # noqa: SLF001 - the default deepcopy path
-        snap = self.to_snapshot()
-        snap.kv = copy.deepcopy(snap.kv, memo)
-        snap.ckpt_handle = copy.deepcopy(snap.ckpt_handle, memo)
-        extra = {k: v for k, v in self.__dict__.items() if k not in _TREE_ATTRS}
-        out = _rebuild_tree(
-            snap,
-            copy.deepcopy(self.kv_ops, memo),
-            copy.deepcopy(self.law_provider, memo),
-            copy.deepcopy(extra, memo),
-        )
-        memo[id(self)] = out
-        return out
-
-    def check(self) -> None:
-        """Assert every structural and accounting invariant (tests call this after each step)."""
-        kv_tokens = states = count = 0
-        leaves = set()
-        for n in self.nodes():
-            count += 1
-            assert n.alive and n.num_tokens > 0
-            assert n.start == n.parent.end, n
-            assert n.parent.children[n.key.item(0)] is n
-            kv_tokens += n.num_tokens
-            states += len(n.checkpoints)
-            assert set(n.checkpoints) == set(n.ckpt_access)
-            for p in n.checkpoints:
-                assert n.start < p <= n.end, (n, p)
-            lr = sum(c.lock_ref for c in n.children.values())
-            assert n.lock_ref >= lr, n
-            if not n.children:
-                leaves.add(n)
-        assert count == self.num_nodes, (count, self.num_nodes)
-        assert kv_tokens == self.kv_tokens and states == self.num_states
-        assert leaves == self.leaves
-        ev_leaves = {n for n in leaves if n.lock_ref == 0}
-        assert ev_leaves == self.evictable_leaves, ev_leaves ^ self.evictable_leaves
-        ev_ck = {n for n in self.nodes() if n.children and n.checkpoints and n.lock_ref == 0}
-        assert ev_ck == self.evictable_ckpt_nodes, ev_ck ^ self.evictable_ckpt_nodes
-        in_heap = {(e[2].uid, e[0]) for e in self.leaf_heap.entries}
-        for n in ev_leaves:
-            assert n.heap_key == n.last_access and (n.uid, n.last_access) in in_heap, n
-        assert self.lru_leaf() is min(ev_leaves, key=lambda n: (n.last_access, n.uid), default=None)
-
-    def iter_checkpoints(self) -> Iterable[tuple[Node, int, Any]]:
-        for n in self.nodes():
-            for p, h in n.checkpoints.items():
-                yield n, p, h
 
 
 #: ``RadixTree.__dict__`` entries captured by :class:`TreeSnapshot` or rebuilt from it.
