@@ -737,6 +737,18 @@ def run_config(name: str, s: Sizes, reqs: list[dict[str, Any]], profile: Path | 
 # ---------------------------------------------------------------------- smoke check (tests)
 
 
+def small_harness(backend: str | None, model: Path) -> Harness:
+    """A :class:`Harness` over tiny pools (2,500 KV tokens, 24 state slots, 4 request rows, 1,024-token
+    context, 128-token chunks): a few hundred-token prompts make it evict. Used by :func:`smoke` and
+    ``tools/request_path.py``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        b = build_cache(
+            backend, model_dir=model, kv_tokens=2500, mamba_slots=24, max_reqs=4, context_len=1024, chunk=128
+        )
+    return Harness(b, chunk=128)
+
+
 def smoke(names: list[str]) -> dict[str, Any]:
     """A few hundred tokens per prompt, tiny pools, all ``names`` in this process (re-published
     one after the other): per config, the cached length of a first request, of its repeat and of
@@ -757,18 +769,8 @@ def smoke(names: list[str]) -> dict[str, Any]:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                b = build_cache(
-                    backend,
-                    model_dir=model,
-                    kv_tokens=2500,
-                    mamba_slots=24,
-                    max_reqs=4,
-                    context_len=1024,
-                    chunk=128,
-                )
-            h = Harness(b, chunk=128)
+            h = small_harness(backend, model)
+            b = h.b
             o1 = output_ids(1, 4)
             res: dict[str, Any] = {"tree_core": b.core, "cache_class": type(b.cache).__name__}
             res["first"] = h.run("a", first, o1)

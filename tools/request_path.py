@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from array import array
 from pathlib import Path
 from typing import Any
@@ -35,25 +34,14 @@ def trace_one_request() -> dict[str, Any]:
     import os
 
     os.environ.update({"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_CAPTURE": "cut"})
-    from benchmarks.scheduler_cache import Harness, build_cache, make_model_dir, output_ids
+    from benchmarks.scheduler_cache import make_model_dir, output_ids, small_harness
 
     rng = np.random.default_rng(7)
 
     def rand(n: int) -> array:
         return array("q", rng.integers(4, 2**30, size=n, dtype=np.int64).tobytes())
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        b = build_cache(
-            "sparse",
-            model_dir=make_model_dir(context_len=4096),
-            kv_tokens=2500,
-            mamba_slots=24,
-            max_reqs=4,
-            context_len=1024,
-            chunk=128,
-        )
-    h = Harness(b, chunk=128)
+    h = small_harness("sparse", make_model_dir(context_len=4096))
     doc = rand(400)
     h.run("warm-0", doc + rand(60), output_ids(0, 4))
     for i in range(10):  # distinct prompts: the pools evict
