@@ -314,8 +314,6 @@ class CheckpointTree:
         self.clock += 1
         return self.clock
 
-    # ------------------------------------------------------------------ match (pure)
-
     # ------------------------------------------------------------------ observe
 
     def observe(self, match: MatchResult) -> list[Node]:
@@ -420,7 +418,7 @@ class CheckpointTree:
                 self._sync_evictable(node)
             node = node.parent
 
-    # ------------------------------------------------------------------ insert
+    # ------------------------------------------------------------------ edge split (insert, eviction)
 
     def _split(self, node: Node, k: int) -> Node:
         """Split ``node``'s edge after ``k`` tokens (0 < k < len); return the new upper node.
@@ -676,6 +674,8 @@ class RadixTree(CheckpointTree):
     :class:`CheckpointTree` whose edges hold their token ids (``node.key``), so it can :meth:`match`
     and :meth:`insert` token sequences (the simulator's tree; an engine's is mirrored instead).
     """
+
+    # ------------------------------------------------------------------ match (pure) and insert
 
     def match(self, tokens: Tokens) -> MatchResult:
         """Longest cached prefix of ``tokens`` and the deepest checkpoint at or before it. Pure.
