@@ -16,6 +16,11 @@ of what a policy with future knowledge gets an online policy already gets.
 
     python benchmarks/sim_compare.py [--quick] [--traces doc_qa system_prompts agent] [--policies ...]
     python benchmarks/sim_compare.py --trace my_trace.jsonl [--trace other.jsonl] [--fracs 0.1 0.3]
+    python benchmarks/sim_compare.py --host-ratio 2 --host-ratio 4   # device + host tier (HiCache)
+
+``--host-ratio R`` (repeatable) runs the two-tier sweep instead (``benchmarks/sim_host.py``): host
+bytes = R x device bytes, registry policies only, ``sglang_native`` = SGLang's own HiCache;
+``--write-policy``, ``--load-bandwidth`` and ``--device-flops`` set the host tier's model.
 """
 
 from __future__ import annotations
@@ -32,9 +37,16 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import REPO, results_dir  # noqa: E402
+from benchmarks.sim_host import HOST_POLICIES, host_sweep  # noqa: E402
 from sglang_sparse.policy import POLICY_NAMES, PUBLISHED_NAMES  # noqa: E402
+from sglang_sparse.policy.host_tier import (  # noqa: E402
+    DEFAULT_DEVICE_FLOPS,
+    DEFAULT_LOAD_BANDWIDTH,
+    WRITE_POLICIES,
+)
 from sglang_sparse.sim import (  # noqa: E402
     OFFLINE_POLICIES,
+    SHAPES,
     FutureIndex,
     OracleLaw,
     cost_model,
@@ -82,28 +94,71 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-next-80b-a3b")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results[/quick])")
     ap.add_argument("--synthetic", action="store_true", help="small generated traces (no data needed)")
+    ap.add_argument(
+        "--host-ratio",
+        action="append",
+        type=float,
+        default=None,
+        metavar="R",
+        help="two-tier sweep: a host tier of R x the device size (repeatable; writes sim_compare_host.json)",
+    )
+    ap.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        default="write_back",
+        help="host tier: write_back (the device demotes what it evicts; default) or write_through (the "
+        "host holds a copy of everything)",
+    )
+    ap.add_argument(
+        "--load-bandwidth",
+        type=float,
+        default=None,
+        metavar="BYTES_PER_S",
+        help=f"host-to-device copy bandwidth (default {DEFAULT_LOAD_BANDWIDTH:.3g} B/s, PCIe Gen4 x16)",
+    )
+    ap.add_argument(
+        "--device-flops",
+        type=float,
+        default=None,
+        metavar="FLOP_PER_S",
+        help=f"prefill throughput that converts a load into FLOPs (default {DEFAULT_DEVICE_FLOPS:.3g})",
+    )
     args = ap.parse_args(argv)
     fracs = tuple(args.fracs) if args.fracs else (QUICK_FRACS if args.quick else FULL_FRACS)
     cm = cost_model(args.model)
     out = Path(args.out) if args.out else results_dir(args.quick)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"model": args.model, "fracs": fracs, "traces": {}}
+    if args.synthetic and args.traces is None and not args.trace:
+        args.traces = [t for t in DEFAULT_TRACES if t in SHAPES]  # the shapes that can be generated
+    if args.synthetic:
+        unknown = [t for t in args.traces or [] if t not in SHAPES]
+        if unknown:
+            raise SystemExit(
+                f"error: no synthetic shape {', '.join(unknown)}; --synthetic takes {', '.join(SHAPES)}"
+            )
     sources = trace_sources(args.traces, args.trace)
+    if args.host_ratio:
+        policies = [p for p in args.policies if p in HOST_POLICIES]
+        if args.policies != list(DEFAULT_POLICIES):
+            policies = args.policies  # named explicitly: host_sweep rejects those without a host model
+        loaders = [(t, lambda t=t, p=p: _load(t, p, args, cm)) for t, p in sources]
+        host_sweep(
+            loaders,
+            policies,
+            fracs,
+            args.host_ratio,
+            cm,
+            out,
+            write_policy=args.write_policy,
+            load_bandwidth=args.load_bandwidth,
+            device_flops=args.device_flops,
+        )
+        return 0
     jobs = [(t, f, p) for t, _ in sources for f in fracs for p in args.policies]
     bar = tqdm(total=len(jobs), desc="sim_compare")
     for tname, path in sources:
-        if args.synthetic:
-            reqs = synthetic_trace(tname, 300, seed=0)
-        elif path.exists():
-            reqs = load_trace(path)
-        elif args.trace and str(path) in args.trace:
-            raise SystemExit(f"error: trace file {path} not found")
-        else:
-            raise SystemExit(f"error: {path} not found; run `python -m sglang_sparse.traces build {tname}`")
-        if not reqs:
-            raise SystemExit(f"error: trace {path} holds no requests")
-        oracle = OracleLaw(reqs)
-        footprint = oracle.inf.kv_tokens * cm.kv_bytes_per_token
+        reqs, oracle, footprint = _load(tname, path, args, cm)
         profile = reuse_profile(reqs)
         future = FutureIndex(reqs) if any(p in OFFLINE_POLICIES for p in args.policies) else None
         rows = []
@@ -165,6 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     _offline_table(results)
     _print_acceptance(results["acceptance"])
     return 0
+
+
+def _load(tname: str, path: Path, args: argparse.Namespace, cm) -> tuple[list, OracleLaw, int]:
+    """``(requests, oracle law, KV footprint in bytes)`` of one trace; exits with a clear message when
+    the trace is missing or empty."""
+    if args.synthetic:
+        reqs = synthetic_trace(tname, 300, seed=0)
+    elif path.exists():
+        reqs = load_trace(path)
+    elif args.trace and str(path) in args.trace:
+        raise SystemExit(f"error: trace file {path} not found")
+    else:
+        raise SystemExit(f"error: {path} not found; run `python -m sglang_sparse.traces build {tname}`")
+    if not reqs:
+        raise SystemExit(f"error: trace {path} holds no requests")
+    oracle = OracleLaw(reqs)
+    return reqs, oracle, oracle.inf.kv_tokens * cm.kv_bytes_per_token
 
 
 def _equal_memory(rows: list[dict], run_sparse) -> None:

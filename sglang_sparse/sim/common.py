@@ -72,11 +72,27 @@ class SimResult(HitRates):
     max_bytes_used: int = 0
     alphas: list[tuple[int, float]] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
+    #: host tier (:mod:`.host_tier`; all 0 without one): its size (bytes), the tokens resumed by
+    #: requests that loaded from it, the bytes they loaded, the loads in prefill FLOPs (device time)
+    host_bytes: int = 0
+    host_hit_tokens: int = 0
+    load_bytes: int = 0
+    load_flops: float = 0.0
+
+    @property
+    def net_flops_saved_frac(self) -> float:
+        """FLOPs saved minus the host loads' device time (in FLOPs), over the prefill FLOPs."""
+        return (self.flops_saved - self.load_flops) / self.flops_total if self.flops_total else 0.0
 
     def summary(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "records"}
         d["token_hit_rate"] = self.token_hit_rate
         d["flops_saved_frac"] = self.flops_saved_frac
+        if self.host_bytes:
+            d["net_flops_saved_frac"] = self.net_flops_saved_frac
+        else:  # one-tier rows keep their committed shape
+            for k in ("host_bytes", "host_hit_tokens", "load_bytes", "load_flops"):
+                del d[k]
         return d
 
 

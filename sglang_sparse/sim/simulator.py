@@ -36,8 +36,10 @@ from sglang_sparse.policy import (
     PolicySpec,
     get_policy,
 )
+from sglang_sparse.policy.host_tier import HostCost, HostTierConfig
 
 from .common import Observer, RequestRecord, SimResult, prepare_requests
+from .host_tier import TwoTierCache
 from .oracle import OracleLaw
 from .trace import SimRequest
 
@@ -61,6 +63,7 @@ def simulate(
     check: bool = False,
     retune: bool = False,
     observer: Observer | None = None,
+    host: HostTierConfig | None = None,
     **cache_kwargs,
 ) -> SimResult:
     """Replay ``requests`` through a ``policy`` cache of ``cache_bytes`` bytes for model ``cost``.
@@ -79,7 +82,15 @@ def simulate(
     :func:`.offline.simulate_offline`; of the options only ``keep_records``, ``progress``, ``check``,
     ``observer`` and its own ``grid`` / ``future`` (``cache_kwargs``) apply. ``check`` asserts tree
     invariants.
+    ``host`` adds a host tier of ``host.budget_bytes`` below a device of ``cache_bytes`` (registry
+    policies only; :mod:`.host_tier`): the policy runs on the logical two-tier cache, a request
+    resumes no deeper than fits in the device, and the result's ``load_bytes`` / ``load_flops``
+    charge the host traffic (``net_flops_saved_frac``). FLOP-aware policies value a state net of its
+    expected load (:class:`~sglang_sparse.policy.host_tier.HostCost`); alpha tuning replays ignore
+    loads.
     """
+    if host is not None and isinstance(policy, str) and policy in (*OFFLINE_POLICIES, *PUBLISHED_POLICIES):
+        raise ValueError(f"policy {policy!r} has no host tier model; give a registry policy")
     if isinstance(policy, str) and policy in OFFLINE_POLICIES:
         from .offline import simulate_offline
 
@@ -120,14 +131,24 @@ def simulate(
         oracle = None
     prepared = prepare_requests(requests)
     n = len(prepared)
+    logical, cache_cost = int(cache_bytes), cost
+    if host is not None:
+        logical = host.logical_bytes(cache_bytes)
+        if spec.flop_aware:
+            cache_cost = HostCost(cost, host, host.host_share(cache_bytes))
+        if cost.kv_bytes_per_token and "fit_tokens" not in cache_kwargs:  # the forward runs on the device
+            cache_kwargs["fit_tokens"] = (int(cache_bytes) - cost.state_bytes) // cost.kv_bytes_per_token
     cache = HybridCache(
         spec,
-        budget_bytes=cache_bytes,
-        cost=cost,
+        budget_bytes=logical,
+        cost=cache_cost,
         law_provider=oracle if spec.needs_law_provider else None,
         **cache_kwargs,
     )
     res = SimResult(spec.name, int(cache_bytes))
+    tier = TwoTierCache(cache, int(cache_bytes), host) if host is not None else None
+    if host is not None:
+        res.host_bytes = host.budget_bytes
     tuning = spec.flop_aware and alpha is None
     if spec.flop_aware and alpha is not None:
         cache.alpha = alpha
@@ -145,7 +166,11 @@ def simulate(
     snapshot = _snapshot(cache, oracle) if tuning else None
     for i in it:
         inp, full = prepared[i]
-        c, kv, saved, total, captured = _serve(cache, inp, full, cost, ids, observer, i)
+        c, kv, saved, total, captured, load = _serve(cache, inp, full, cost, ids, observer, i, tier)
+        if load:
+            res.host_hit_tokens += c
+            res.load_bytes += load
+            res.load_flops += host.load_flops(load)
         if check:
             cache.tree.check()
         res.requests += 1
@@ -186,13 +211,18 @@ def _serve(
     ids: Iterator[int],
     observer: Observer | None = None,
     index: int = -1,
-) -> tuple[int, int, float, float, int]:
+    tier: TwoTierCache | None = None,
+) -> tuple[int, int, float, float, int, int]:
     """One request: match, observe, capture plan, insert input+output, evict to budget.
 
-    Returns ``(resume_depth, kv_depth, FLOPs saved, prefill FLOPs, states captured)``.
-    ``observer``: see :func:`simulate` (``index``: the request's position in the trace).
+    Returns ``(resume_depth, kv_depth, FLOPs saved, prefill FLOPs, states captured, bytes loaded
+    from the host tier)``. ``observer``: see :func:`simulate` (``index``: the request's position in
+    the trace). ``tier``: the two-tier residency of ``cache`` (``None``: one tier, nothing loaded).
     """
     m = cache.match(inp)
+    load = 0
+    if tier is not None:
+        m, load = tier.resume(m, inp)
     c, kv = m.resume_depth, m.kv_depth
     saved = cost.flops_saved(len(inp), c)
     total = cost.prefill_flops(len(inp))
@@ -205,7 +235,7 @@ def _serve(
     freed = cache.evict_to_budget()
     if observer is not None:
         observer(index, m, handles, res, freed)
-    return c, kv, saved, total, len(plan.positions)
+    return c, kv, saved, total, len(plan.positions), load
 
 
 def _snapshot(cache: HybridCache, oracle: OracleLaw | None) -> CacheSnapshot:
