@@ -1,5 +1,8 @@
 """SGLang general plugin (entry point group ``sglang.srt.plugins``) for CPUs without AMX.
 
+On any CPU-only SGLang it also installs the HiCache routes (:mod:`.hicache`: host pools without
+``cudaHostRegister``, torch host<->device copy ops, the ``direct`` io backend).
+
 SGLang 0.5.23 sends two pieces of the Qwen3-Next/Qwen3.5 path to its CPU kernels only when the CPU
 has AMX (``cpu_has_amx_support()``) and to GPU-only Triton kernels otherwise:
 
@@ -124,6 +127,15 @@ def register() -> None:
             register_extra_buffer_hooks()
     except Exception:  # noqa: BLE001 - a plugin must never take the server down
         logger.exception("sglang_sparse CPU platform hooks failed")
+    try:
+        from sglang.srt.utils import is_cpu
+
+        if is_cpu():
+            from . import hicache
+
+            hicache.install()
+    except Exception:  # noqa: BLE001 - a plugin must never take the server down
+        logger.exception("sglang_sparse CPU HiCache routes failed")
     try:
         if not needs_cpu_routes():
             return

@@ -1,0 +1,161 @@
+"""SGLang's own hierarchical cache (HiCache) on the CPU, through the project's CPU plugin.
+
+Native SGLang 0.5.23 (no ``--radix-cache-backend``) with ``--enable-hierarchical-cache`` serves the
+tiny random-weight Qwen3-Next on the CPU once the plugin's HiCache routes are installed
+(``kernels/sglang_sparse_kernels/sgl_kernel_cpu/hicache.py``: host pools without CUDA, torch copy
+ops, the ``direct`` io backend resolved automatically). A small device pool (1,024 KV tokens, 8 state
+slots) and a host 6x its size; per configuration (no_buffer write-through and write-back,
+extra_buffer write-back at page size 16), one server at a time:
+
+* the resolved arguments: io backend ``direct``, layout ``page_first_direct``, without the flags;
+* greedy tokens identical to a ``--disable-radix-cache`` server on a workload whose session turns and
+  branches come back after six unrelated requests have pushed them off the device (one new token
+  after each hit: this model's GDN layers forget a wrong state within a few tokens);
+* those returning requests hit (``cached_tokens`` > 0), where SGLang's plain radix cache with the
+  same device pool hits nothing: the host tier served them;
+* nothing leaked at idle (KV in use 0; SGLang's strict idle memory check on).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_sparse.testing.stack import require_serving_stack
+
+pytestmark = pytest.mark.serving
+
+require_serving_stack(cpu_platform=True)
+
+import requests  # noqa: E402
+
+from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
+from sglang_sparse.testing.server import ServerError, SGLangServer, strategy_setup  # noqa: E402
+
+VOCAB = 4096
+NEW = 8
+SIZING = {"context_length": 2048, "max_total_tokens": 1024, "max_mamba_cache_size": 8}
+HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "6"]
+#: the requests that come back after the device was flushed (session turn, branch, other session)
+RETURNING = ("A1t3", "A1b", "B1t2")
+CONFIGS = {
+    "nb_write_through": ("no_buffer", ["--hicache-write-policy", "write_through"]),
+    "nb_write_back": ("no_buffer", ["--hicache-write-policy", "write_back"]),
+    "eb_write_back_page16": ("extra_buffer", ["--hicache-write-policy", "write_back", "--page-size", "16"]),
+}
+CHECK_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+
+
+def toks(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB) for _ in range(n)]
+
+
+def steps() -> list[tuple[str, Callable[[dict, dict], list[int]]]]:
+    """``(tag, build(prompts, outputs))``: two documents, a session turn and a branch, six unrelated
+    350-token requests (more than the device pool, less than the host), then the returning ones."""
+    a, b = toks(300, 1), toks(300, 2)
+    out: list[tuple[str, Callable[[dict, dict], list[int]]]] = [
+        ("A1", lambda p, o: a + toks(20, 11)),
+        ("A2", lambda p, o: a + toks(25, 12)),
+        ("A1t2", lambda p, o: p["A1"] + o["A1"] + toks(20, 13)),
+        ("B1", lambda p, o: b + toks(20, 21)),
+    ]
+    out += [(f"F{i}", lambda p, o, i=i: toks(350, 100 + i)) for i in range(6)]
+    out += [
+        ("A1t3", lambda p, o: p["A1t2"] + o["A1t2"] + toks(1, 14)),
+        ("A1b", lambda p, o: p["A1"] + o["A1"] + toks(1, 15)),
+        ("B1t2", lambda p, o: p["B1"] + o["B1"] + toks(1, 22)),
+        ("A3", lambda p, o: a + toks(30, 16)),
+    ]
+    return out
+
+
+def run(srv: SGLangServer) -> dict[str, Any]:
+    prompts: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    for tag, build in steps():
+        prompts[tag] = build(prompts, outputs)
+        r = srv.generate(prompts[tag], NEW)
+        outputs[tag], cached[tag] = r.output_ids, r.cached_tokens
+    return {"outputs": outputs, "cached": cached}
+
+
+def _start(srv: SGLangServer) -> SGLangServer:
+    try:
+        srv.start(timeout=300)
+    except ServerError as exc:
+        pytest.fail(f"SGLang CPU server failed to start ({srv.cmd[-12:]}): {exc}")
+    return srv
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next_hicache"), arch="qwen3_next", seed=0)
+
+
+def _serve(
+    model_dir: Path, strategy: str, extra: list[str], env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    base, strategy_env = strategy_setup(strategy)
+    srv = _start(
+        SGLangServer(
+            model_dir, base_args=base, env={**strategy_env, **(env or {})}, extra_args=extra, **SIZING
+        )
+    )
+    try:
+        info = requests.get(f"{srv.url}/server_info", timeout=60).json()
+        res = run(srv)
+        load = requests.get(f"{srv.url}/v1/loads", timeout=60).json()["loads"][0]
+        alive, log = srv.alive(), srv.log_tail(2_000_000)
+    finally:
+        srv.stop()
+    return {**res, "info": info, "load": load, "alive": alive, "log": log}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, Any]:
+    return _serve(model_dir, "no_buffer", ["--disable-radix-cache"])
+
+
+@pytest.fixture(scope="module")
+def plain_radix(model_dir: Path) -> dict[str, Any]:
+    return _serve(model_dir, "no_buffer", [])
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+def hicache(request: pytest.FixtureRequest, model_dir: Path) -> dict[str, Any]:
+    strategy, extra = CONFIGS[request.param]
+    return _serve(model_dir, strategy, [*HICACHE, *extra], CHECK_ENV)
+
+
+def test_io_backend_resolved_for_the_cpu(hicache: dict[str, Any]) -> None:
+    info = hicache["info"]
+    assert info["enable_hierarchical_cache"] is True
+    assert info["hicache_io_backend"] == "direct" and info["hicache_mem_layout"] == "page_first_direct"
+    assert "resolved to direct" in hicache["log"]
+
+
+def test_greedy_tokens_identical_to_no_cache(hicache: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert hicache["alive"], hicache["log"][-6000:]
+    assert hicache["outputs"] == reference["outputs"]
+
+
+def test_returning_requests_are_served_from_the_host(
+    hicache: dict[str, Any], plain_radix: dict[str, Any]
+) -> None:
+    assert plain_radix["outputs"] == hicache["outputs"]
+    assert all(plain_radix["cached"][t] == 0 for t in RETURNING), plain_radix["cached"]
+    assert all(hicache["cached"][t] > 0 for t in RETURNING), hicache["cached"]
+
+
+def test_nothing_leaked_at_idle(hicache: dict[str, Any]) -> None:
+    load = hicache["load"]
+    assert load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0, load
+    for marker in ("leak detected", "Leak Detected", "Traceback"):
+        assert marker not in hicache["log"], marker
