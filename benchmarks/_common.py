@@ -53,6 +53,20 @@ def progress(it: Iterable[T], total: int | None = None, desc: str = "") -> Itera
     yield from tqdm(it, total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, or ``None`` (after saying so) when
+    matplotlib is missing: a benchmark writes its JSON either way, the plot is optional."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib missing: no plots")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def table(rows: list[list[Any]], header: list[str]) -> str:
     """A plain fixed-width text table (tabulate's ``simple`` format, every column right-aligned;
     floats to 3 significant digits, strings printed as given: a pre-formatted cell is never

@@ -91,7 +91,7 @@ from sglang_sparse.policy.eviction import CKPT
 from sglang_sparse.sim.models import cost_model
 from sglang_sparse.tree import Node, as_tokens
 
-from ._common import REPO, progress, table, write_json
+from ._common import REPO, progress, pyplot, table, write_json
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -629,10 +629,9 @@ def time_dp(quick: bool) -> dict:
 
 
 def plot_pareto(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ncols = min(3, len(results))
@@ -679,10 +678,9 @@ def plot_pareto(results: dict, path: Path) -> None:
 
 
 def plot_dp_time(timing: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for name, mk in (("native", "o-"), ("python", "s-"), ("reference", "^-")):

@@ -91,10 +91,11 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Scatter of every measurement, the per-length median, and the fitted line."""
-    import matplotlib
+    from benchmarks._common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     pts = result["measurements"]
     fit = result["fit"]

@@ -234,10 +234,11 @@ def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | Non
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
+    from benchmarks._common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     tnames = list(summary)
     fig, axes = plt.subplots(1, len(tnames), figsize=(5.5 * len(tnames), 4), squeeze=False)

@@ -942,10 +942,11 @@ def print_workload(name: str, doc: dict[str, Any], configs: Sequence[str], basel
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """TTFT p50, TTFT p95 and request throughput vs load point, one column per workload."""
-    import matplotlib
+    from benchmarks._common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     wls = list(doc["workloads"])
     rows = (

@@ -549,10 +549,11 @@ def print_workload(name: str, wdoc: dict[str, Any]) -> None:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Prefilled tokens per (workers, routing) cell and workload: median bars, min-max whiskers."""
-    import matplotlib
+    from benchmarks._common import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     names = list(doc["workloads"])
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)

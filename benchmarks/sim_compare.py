@@ -36,7 +36,7 @@ from tqdm import tqdm
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import REPO, results_dir  # noqa: E402
+from benchmarks._common import REPO, pyplot, results_dir  # noqa: E402
 from benchmarks.sim_host import HOST_POLICIES, host_sweep  # noqa: E402
 from sglang_sparse.policy import POLICY_NAMES, PUBLISHED_NAMES  # noqa: E402
 from sglang_sparse.policy.host_tier import (  # noqa: E402
@@ -392,13 +392,8 @@ def _print_acceptance(acc: dict) -> None:
 
 
 def _plot(tname: str, rows: list[dict], bounds: list[dict], policies: list[str], out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plots")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for pol in policies:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks._common import pyplot
 from sglang_sparse.policy import POLICY_NAMES
 from sglang_sparse.policy.host_tier import HostTierConfig
 from sglang_sparse.sim import simulate
@@ -192,13 +193,8 @@ def print_tables(results: dict, policies: Sequence[str]) -> None:
 
 
 def _plot(tname: str, rows: list[dict], policies: Sequence[str], ratios: Sequence[float], out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plots")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(len(ratios), 2, figsize=(11, 3.6 * len(ratios)), squeeze=False)
     base = [r for r in rows if r["policy"] == "sparse (no host)"]
