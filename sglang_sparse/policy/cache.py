@@ -119,8 +119,17 @@ class HybridCache:
         probation_budget: int = DEFAULT_PROBATION_BUDGET,
         branch_grid: int | None = None,
         tail_grid: int | None = None,
+        tree: CheckpointTree | None = None,
     ) -> None:
         self.spec = get_policy(policy)
+        if tree is not None:  # its sizes are the sizes
+            kv_bytes_per_token = tree.kv_bytes_per_token if kv_bytes_per_token is None else kv_bytes_per_token
+            state_bytes = tree.state_bytes if state_bytes is None else state_bytes
+            if (kv_bytes_per_token, state_bytes) != (tree.kv_bytes_per_token, tree.state_bytes):
+                raise ValueError(
+                    f"the tree holds {tree.kv_bytes_per_token} KV bytes per token and "
+                    f"{tree.state_bytes}-byte states, not {kv_bytes_per_token} and {state_bytes}"
+                )
         if cost is not None:
             kv_bytes_per_token = cost.kv_bytes_per_token if kv_bytes_per_token is None else kv_bytes_per_token
             state_bytes = cost.state_bytes if state_bytes is None else state_bytes
@@ -138,7 +147,9 @@ class HybridCache:
             raise ValueError(f"policy {self.spec.name!r} is FLOP-aware and needs a cost model")
         self.budget_bytes = int(budget_bytes)
         self.cost = cost
-        self.tree = RadixTree(
+        #: the tree the policy runs on: a :class:`RadixTree` built here (the simulator's), or the one
+        #: given (an engine's mirror, or a tree rebuilt from a snapshot)
+        self.tree: CheckpointTree = tree or RadixTree(
             kv_bytes_per_token,
             state_bytes,
             kv_ops=kv_ops,
@@ -183,14 +194,11 @@ class HybridCache:
         #: online sessions (chains of leaves continued from their end; see :mod:`.chains`), tracked
         #: for every policy, used by eviction when ``spec.eviction.chain_recency``
         self.chains = ChainTracker(grid=grid)
-        self.evictor = self._new_evictor(self.tree, alpha if self.spec.flop_aware else 0.0)
-
-    def _new_evictor(self, tree: CheckpointTree, alpha: float) -> Evictor:
-        return Evictor(
-            tree,
+        self.evictor = Evictor(
+            self.tree,
             self.spec.eviction,
             self.cost,
-            alpha,
+            alpha if self.spec.flop_aware else 0.0,
             capacity_bytes=self.budget_bytes,
             probation=self.probation,
             chains=self.chains,
@@ -242,10 +250,8 @@ class HybridCache:
             min_cut_gain=snap.min_cut_gain,
             fit_tokens=snap.fit_tokens,
             branch_grid=snap.branch_grid,
+            tree=RadixTree.from_snapshot(t, kv_ops=kv_ops, law_provider=law_provider),
         )
-        cache.tree = RadixTree.from_snapshot(t, kv_ops=kv_ops, law_provider=law_provider)
-        cache.evictor.tree = cache.tree
-        cache.evictor.invalidate()
         if snap.tail is not None:
             cache.tail = copy.deepcopy(snap.tail)
         cache.probation.update(snap.probation)
@@ -258,11 +264,6 @@ class HybridCache:
             # chain ids without their statistics: they score as chain-less; new ids must not reuse them
             cache.chains.next_id = int(t.chain.max()) + 1
         return cache
-
-    def use_tree(self, tree: CheckpointTree) -> None:
-        """Run this cache's policy on ``tree`` (an engine mirror) with a fresh evictor over it."""
-        self.tree = tree
-        self.evictor = self._new_evictor(tree, self.evictor.alpha)
 
     # ------------------------------------------------------------------ knobs
 

@@ -174,9 +174,8 @@ class TreePolicy:
             probation_budget=self.config.probation,
             branch_grid=self.config.branch_grid,  # None (auto) outside the factory: the grid
             tail_grid=self.config.tail_grid,  # None (auto) outside the factory: the grid
+            tree=tree,
         )
-        if tree is not cache.tree:
-            cache.use_tree(tree)
         if self.spec.flop_aware:
             cache.alpha = self._alpha
         return cache
