@@ -210,7 +210,7 @@ class CandidateTerms:
         prior = self.chains.prior_gap() if self.chains is not None else None
         return ChainClock(float(self.tree.clock), float(cfg.superseded_demotion), prior)
 
-    def _chain_terms(self, node: Node) -> tuple[float | None, bool, bool]:
+    def chain_terms(self, node: Node) -> tuple[float | None, bool, bool]:
         """``(due, continued, provisional)`` of ``node`` (whatever ``config.chain_recency``: a
         round decides whether to use them, :meth:`chain_clock`): its chain's due tick (``None``: not
         on a chain, or no tracker), whether its only child is on the same chain (the session moved
@@ -230,62 +230,88 @@ class CandidateTerms:
             return due, c.chain == node.chain, False
         return due, False, False  # pragma: no cover - one child
 
-    def _candidate(self, kind: int, node: Node, pos: int, *, need_value: bool | None = None) -> Terms | None:
-        """(recency, efficiency FLOPs/byte, bytes, unservable, probation, due, superseded,
-        provisional) of a candidate (:data:`~.eviction_index.Terms`); ``None`` if not eligible.
-        ``unservable``: every checkpoint it holds is unservable (evicted first); ``probation``:
-        every checkpoint it holds is on probation (evicted next); ``due``: its chain's due tick
-        (``None`` off a chain); ``superseded``: a checkpoint on a chain with a deeper state on its
-        node or a continued node; ``provisional``: on a sequence-end leaf no chain holds (see
-        :meth:`_chain_terms`). The efficiency is computed iff ``need_value`` (default: ``alpha >
-        0``), else 0.0."""
+    def node_terms(
+        self,
+        node: Node,
+        inherited: int | None = None,
+        *,
+        need_value: bool | None = None,
+        chain: tuple[float | None, bool, bool] | None = None,
+        leaf_only: bool = False,
+    ) -> list[tuple[int, int, Terms]]:
+        """The eviction candidates of ``node``, ``(kind, pos, terms)`` each (``pos`` -1 for the node
+        kinds): the one definition the index's rows, :meth:`candidates` and the rounds read. None if
+        ``node`` is the root, dead or locked. Per ``config``: the whole leaf (``LEAF``, its KV and
+        states); the states of a single-child node together (``NODE_STATES``, with ``node_states``); each
+        checkpoint (``CKPT``; ``ckpt_scope`` ``all`` or ``interior``, the deepest one of a leaf also
+        frees the KV below the one above it).
+
+        ``terms`` (:data:`~.eviction_index.Terms`): recency (``ckpt_recency`` own: the checkpoint's),
+        FLOPs saved per byte (computed iff ``need_value``, default ``alpha > 0``, else 0.0), bytes
+        freed, unservable (every checkpoint it holds is: evicted first), probation tier (the lowest
+        of its states: evicted next), its chain's due tick (``None`` off a chain), superseded (a
+        checkpoint on a chain with a deeper state on its node or a continued node), provisional (a
+        sequence-end leaf no chain holds; see :meth:`chain_terms`). ``inherited``: the fallback of
+        the node's first checkpoint (``tree.fallback_depth(node, node.start + 1)``, walked when
+        ``None``); ``chain``: ``chain_terms(node)`` when the caller has it; ``leaf_only``: just the
+        ``LEAF`` candidate (a round exposing a new leaf)."""
         tree = self.tree
-        if not node.alive or node.lock_ref > 0:
-            return None
+        if node.parent is None or not node.alive or node.lock_ref > 0:
+            return []
+        ck = node.checkpoints
+        children = node.children
+        if children and not ck:
+            return []
         if need_value is None:
             need_value = self.alpha > 0
-        if kind == LEAF:
-            if node.children:
-                return None
-            nbytes = tree.node_bytes(node)
-            val = sum(self._ckpt_flops(node, p) for p in node.checkpoints) if need_value else 0.0
-            ck = node.checkpoints
-            dead = bool(ck) and self._unservable(ck.peekitem(0)[0])
-            due, _, prov = self._chain_terms(node)
-            rec = float(node.last_access)
-            return rec, val / max(nbytes, 1), nbytes, dead, self._all_probation(node), due, False, prov
-        if kind == NODE_STATES:
-            if len(node.children) != 1 or not node.checkpoints:
-                return None
-            nbytes = len(node.checkpoints) * tree.state_bytes
-            val = sum(self._ckpt_flops(node, p) for p in node.checkpoints) if need_value else 0.0
-            dead = self._unservable(node.checkpoints.peekitem(0)[0])
-            due, _, prov = self._chain_terms(node)
-            rec = float(node.last_access)
-            return rec, val / nbytes, nbytes, dead, self._all_probation(node), due, False, prov
-        if pos not in node.checkpoints:
-            return None
-        rec = node.ckpt_access[pos] if self.config.ckpt_recency == "own" else node.last_access
-        val = self._ckpt_flops(node, pos) if need_value else 0.0
-        nbytes = tree.state_bytes
-        ck = node.checkpoints
-        deepest = pos == ck.peekitem(-1)[0]
-        if not node.children and deepest:  # frees the dead KV tail as well
-            i = ck.index(pos)
-            above = ck.peekitem(i - 1)[0] if i > 0 else node.start
-            nbytes += (node.end - above) * tree.kv_bytes_per_token
-        due, continued, prov = self._chain_terms(node)
-        sup = due is not None and (continued or not deepest)
-        dead = self._unservable(pos)
-        return float(rec), val / nbytes, nbytes, dead, self.probation.get(ck[pos], 0), due, sup, prov
-
-    def _all_probation(self, node: Node) -> int:
-        """The lowest probation tier of ``node``'s checkpoints (0 if it has none, or a normal one):
-        a candidate holding several states is only as evictable as its most valuable one."""
+        keys = ck.keys()
+        if need_value and keys:
+            if inherited is None:
+                inherited = tree.fallback_depth(node, node.start + 1)
+            fbs = [inherited, *keys[:-1]]
+            flops = [self._ckpt_flops(node, p, fb) for p, fb in zip(keys, fbs, strict=True)]
+        else:
+            flops = [0.0] * len(keys)
         prob = self.probation
-        if not node.checkpoints:
-            return 0
-        return min(prob.get(h, 0) for h in node.checkpoints.values())
+        tiers = [prob.get(h, 0) for h in ck.values()] if prob else [0] * len(keys)
+        lowest = min(tiers) if tiers else 0
+        due, continued, prv = self.chain_terms(node) if chain is None else chain
+        rec = float(node.last_access)
+        out: list[tuple[int, int, Terms]] = []
+        cfg = self.config
+        if not children:
+            nbytes = tree.node_bytes(node)
+            dead = bool(ck) and self._unservable(keys[0])
+            out.append((LEAF, -1, (rec, sum(flops) / max(nbytes, 1), nbytes, dead, lowest, due, False, prv)))
+            if leaf_only:
+                return out
+        elif cfg.node_states and len(children) == 1:
+            nbytes = len(ck) * tree.state_bytes
+            dead = self._unservable(keys[0])
+            out.append((NODE_STATES, -1, (rec, sum(flops) / nbytes, nbytes, dead, lowest, due, False, prv)))
+        if cfg.ckpt_scope == "none" or not ck or leaf_only:
+            return out
+        own = cfg.ckpt_recency == "own"
+        last = keys[-1]
+        for i in range(len(keys) if cfg.ckpt_scope == "all" else len(keys) - 1):
+            p = keys[i]
+            nbytes = tree.state_bytes
+            if not children and p == last:  # frees the dead KV tail as well
+                above = keys[i - 1] if i > 0 else node.start
+                nbytes += (node.end - above) * tree.kv_bytes_per_token
+            sup = due is not None and (continued or p != last)
+            r = float(node.ckpt_access[p]) if own else rec
+            out.append(
+                (CKPT, p, (r, flops[i] / nbytes, nbytes, self._unservable(p), tiers[i], due, sup, prv))
+            )
+        return out
+
+    def _candidate(self, kind: int, node: Node, pos: int, *, need_value: bool | None = None) -> Terms | None:
+        """The terms of one candidate of :meth:`node_terms` (``None``: not a candidate now)."""
+        for k, p, terms in self.node_terms(node, need_value=need_value, leaf_only=kind == LEAF):
+            if k == kind and p == pos:
+                return terms
+        return None
 
     def evict(self, target_bytes: int) -> Freed:
         """Evict until ``tree.bytes_used <= target_bytes`` or nothing evictable remains."""
@@ -306,24 +332,10 @@ class CandidateTerms:
 
         Enumerates the tree's eviction index (O(n)); :class:`Evictor`'s rounds do not call it (see
         :meth:`Evictor.scores` for the scored candidates), the reference rounds do."""
-        cfg = self.config
-        out: list[tuple[int, Node, int]] = []
         tree = self.tree
         # only unlocked leaves and unlocked nodes holding checkpoints can be candidates (tree indexes)
         pool = sorted(tree.evictable_leaves | tree.evictable_ckpt_nodes, key=lambda n: n.uid)
-        for node in pool:
-            if node.lock_ref > 0:
-                continue
-            if not node.children:
-                out.append((LEAF, node, -1))
-            elif cfg.node_states and len(node.children) == 1 and node.checkpoints:
-                out.append((NODE_STATES, node, -1))
-            if cfg.ckpt_scope != "none" and node.checkpoints:
-                keys = list(node.checkpoints.keys())
-                if cfg.ckpt_scope == "interior":
-                    keys = keys[:-1]
-                out.extend((CKPT, node, p) for p in keys)
-        return out
+        return [(k, node, p) for node in pool for k, p, _ in self.node_terms(node, need_value=False)]
 
 
 class Evictor(CandidateTerms):

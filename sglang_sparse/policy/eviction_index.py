@@ -3,8 +3,9 @@
 The evictor's specification (``ReferenceEvictor``, tests/eviction_reference.py) re-enumerates and
 re-scores every candidate at the start of each eviction round. This index keeps, for every live
 node of the tree, the raw terms of its candidates -- ``(recency, efficiency FLOPs/byte,
-unservable, probation, session due tick, superseded, provisional)`` exactly as
-``Evictor._candidate`` computes them -- in dense numpy columns, and
+unservable, probation, session due tick, superseded, provisional)`` as ``Evictor.node_terms``
+defines them (the one definition; the index adds rows, it computes no term) -- in dense numpy
+columns, and
 refreshes only the nodes that changed since the previous round. A round then costs a few
 vectorised passes over the columns (min/max, the normalised scores, one selection) instead of
 O(n) Python scoring.
@@ -14,7 +15,7 @@ What a candidate's raw terms depend on (``node`` = the node holding it):
 * ``node`` itself: liveness, lock, children count, edge ``(start, end]``, checkpoint positions,
   ``last_access``, ``ckpt_access``, its depth histogram (``value="law"``), its membership in the
   tree's eviction index (``evictable_leaves`` / ``evictable_ckpt_nodes``);
-* its online session (:mod:`.chains`; ``Evictor._chain_terms``, part of the signature below):
+* its online session (:mod:`.chains`; ``Evictor.chain_terms``, part of the signature below):
   ``node.chain`` and that chain's due tick, ``seq_end``, and whether its only child is on the same
   chain. A chain's due tick changes only when a request continues the chain, and every node of the
   chain is then on that request's observed path (see :mod:`.chains`), so step 2 below finds them;
@@ -58,10 +59,11 @@ Back-to-back evictions (nothing else touched the tree) cost step 3 plus a few co
 Unsupported: writing node fields directly instead of calling ``RadixTree`` methods -- call
 :meth:`Evictor.invalidate` afterwards.
 
-Exactness: raw terms are computed by the same expressions as ``Evictor._candidate`` (same float
-operations in the same order, each checkpoint's FLOPs computed by ``Evictor._ckpt_flops``), so the
-columns hold bit-identical values; the normalisation and score (:meth:`CandidateIndex.round_scores`)
-apply the reference's float operations elementwise (IEEE-exact in numpy, no fused operations).
+Exactness: the rows are ``Evictor.node_terms``'s values, so a from-scratch enumeration
+(:meth:`CandidateIndex.verify`: ``candidates()`` + ``_candidate()``, fallbacks walked up the path
+instead of inherited) holds bit-identical values; the normalisation and score
+(:meth:`CandidateIndex.round_scores`) apply the reference's float operations elementwise
+(IEEE-exact in numpy, no fused operations).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def _signature(node: Node, probation: Mapping[Any, int], chain: tuple[float | No
     """Everything a node's rows depend on besides ``last_access``, its inherited fallback and its
     depth histogram: identity/edge (``version``), children count, lock, liveness, checkpoints,
     their clocks, which of them are on probation (a handful per node) and its chain terms
-    (``Evictor._chain_terms``: the due tick, whether its only child continues the chain)."""
+    (``Evictor.chain_terms``: the due tick, whether its only child continues the chain)."""
     items = node.checkpoints.items()
     return (
         node.version,
@@ -148,7 +150,7 @@ class ChainClock(NamedTuple):
 #: ``clock`` is ``None`` without chain recency
 Constants = tuple[float, float, float, float, ChainClock | None]
 
-#: A candidate's raw terms (``Evictor._candidate``): ``(recency tick, FLOPs/byte, bytes, unservable,
+#: A candidate's raw terms (``Evictor.node_terms``): ``(recency tick, FLOPs/byte, bytes, unservable,
 #: probation, due tick of its chain or None, superseded, provisional)``
 Terms = tuple[float, float, int, bool, bool, float | None, bool, bool]
 
@@ -286,18 +288,24 @@ class EvictorView(Protocol):
         self, kind: int, node: Node, pos: int, *, need_value: bool | None = None
     ) -> Terms | None: ...
 
-    def _chain_terms(self, node: Node) -> tuple[float | None, bool, bool]: ...
+    def node_terms(
+        self,
+        node: Node,
+        inherited: int | None = None,
+        *,
+        need_value: bool | None = None,
+        chain: tuple[float | None, bool, bool] | None = None,
+        leaf_only: bool = False,
+    ) -> list[tuple[int, int, Terms]]: ...
 
-    def _ckpt_flops(self, node: Node, pos: int, fb: int | None = None) -> float: ...
-
-    def _unservable(self, pos: int) -> bool: ...
+    def chain_terms(self, node: Node) -> tuple[float | None, bool, bool]: ...
 
 
 class CandidateIndex:
-    """Columns of the raw candidate terms, kept equal to what ``Evictor._candidate`` would return.
+    """Columns of the raw candidate terms, kept equal to ``Evictor.node_terms`` of every live node.
 
     Invariant after :meth:`sync`: rows ``0 .. n-1`` are exactly the candidates of
-    ``Evictor.candidates()`` for which ``Evictor._candidate`` is not ``None``, one row each, with
+    ``Evictor.candidates()``, one row each, with
     ``rec`` = recency (logical clock, as float), ``val`` = efficiency (FLOPs per byte; 0.0 while
     values are off), ``dead`` = unservable, ``prob`` = the lowest probation tier of the states it
     holds (0: one is a normal state),
@@ -427,7 +435,7 @@ class CandidateIndex:
         if (
             info.sig is None
             or inherited != info.inh
-            or _signature(node, ev.probation, ev._chain_terms(node)) != info.sig  # noqa: SLF001
+            or _signature(node, ev.probation, ev.chain_terms(node)) != info.sig
         ):
             return True
         cfg = self.ev.config
@@ -454,54 +462,12 @@ class CandidateIndex:
         keys = ck.keys()
         if inherited is None:
             inherited = tree.fallback_depth(node, node.start + 1)
-        # fallback of each checkpoint: the previous one on the edge, the inherited one for the first
-        fbs = [inherited, *keys[:-1]]
-        chain = ev._chain_terms(node)  # noqa: SLF001
-        # -- the candidates of this node, as ``candidates()`` + ``_candidate()`` define them
-        if (
-            node.alive
-            and node.lock_ref == 0
-            and (node in tree.evictable_leaves or node in tree.evictable_ckpt_nodes)
+        chain = ev.chain_terms(node)
+        # -- the candidates of this node (``node_terms``: the one definition)
+        for kind, p, (r, v, _, d, pb, due, sup, prv) in ev.node_terms(
+            node, inherited, need_value=self.values_on, chain=chain
         ):
-            cfg = ev.config
-            children = node.children
-            values = self.values_on
-            fl = (
-                [ev._ckpt_flops(node, p, fb) for p, fb in zip(keys, fbs, strict=True)]  # noqa: SLF001
-                if values and keys
-                else []
-            )
-            prob = ev.probation
-            on_probation = [prob.get(h, 0) for h in ck.values()] if prob else [0] * len(keys)
-            all_prob = min(on_probation) if keys else 0
-            due, continued, prv = chain
-            if not children:
-                nbytes = tree.node_bytes(node)
-                v = sum(fl) if values else 0.0
-                d = bool(ck) and ev._unservable(keys[0])  # noqa: SLF001
-                rec = float(node.last_access)
-                self._add_row(node, info, LEAF, -1, rec, v / max(nbytes, 1), d, all_prob, due, False, prv)
-            elif cfg.node_states and len(children) == 1 and ck:
-                nbytes = len(ck) * tree.state_bytes
-                v = sum(fl) if values else 0.0
-                d = ev._unservable(keys[0])  # noqa: SLF001
-                rec = float(node.last_access)
-                self._add_row(node, info, NODE_STATES, -1, rec, v / nbytes, d, all_prob, due, False, prv)
-            if cfg.ckpt_scope != "none" and ck:
-                own = cfg.ckpt_recency == "own"
-                last = keys[-1]
-                for i in range(len(keys) if cfg.ckpt_scope == "all" else len(keys) - 1):
-                    p = keys[i]
-                    rec = node.ckpt_access[p] if own else node.last_access
-                    nbytes = tree.state_bytes
-                    if not children and p == last:  # frees the dead KV tail as well
-                        above = keys[i - 1] if i > 0 else node.start
-                        nbytes += (node.end - above) * tree.kv_bytes_per_token
-                    v = fl[i] if values else 0.0
-                    d = ev._unservable(p)  # noqa: SLF001
-                    sup = due is not None and (continued or p != last)
-                    pb = on_probation[i]
-                    self._add_row(node, info, CKPT, p, float(rec), v / nbytes, d, pb, due, sup, prv)
+            self._add_row(node, info, kind, p, r, v, d, pb, due, sup, prv)
         # -- bookkeeping (totals for the consistency check, eviction-index copies)
         nck, ntok = len(ck), node.num_tokens
         self.num_states += nck - info.nck
