@@ -52,6 +52,11 @@ def _child_key(node: Any, page_size: int) -> Any:
     return node.key.child_key(page_size)
 
 
+def _holds_state(cd: Any) -> bool:
+    """A node's Mamba component data holds a state on the device or (HiCache) on the host."""
+    return cd.value is not None or getattr(cd, "host_value", None) is not None
+
+
 class _LeafSet(set):
     """SGLang's set of evictable device leaves, also indexed by node id (``by_id``), so a KV walk
     gets the leaf ids without a pass over the nodes. SGLang changes the set with ``add`` and
@@ -122,6 +127,20 @@ class SparseTreeCore(UnifiedTreeCore):
         super()._remove_leaf_from_parent(node)
         if self.policy is not None:
             self.policy.on_leaf_removed(node.id)
+
+    def insert_host(self, node_id, key, host_value, hash_value):
+        """HiCache storage prefetch (L3 -> host): SGLang attaches the path's last edge itself
+        (``UnifiedTreeCore.insert_host`` builds it with ``_new_node``, not ``_add_new_node``); the
+        splits on the way are reported by :meth:`_split_node`."""
+        result = super().insert_host(node_id, key, host_value, hash_value)
+        nid = result.inserted_host_node
+        if self.policy is not None and nid is not None and self.policy.mirror.get(nid) is None:
+            node = self._node_arena.get(nid)  # noqa: SLF001
+            if node is not None:
+                self.policy.on_node_added(
+                    node.id, node.parent.id, len(node.key), _child_key(node, self.page_size)
+                )
+        return result
 
     def iter_nodes(self) -> Iterator[Any]:
         """Every non-root node, parents before children (iterative)."""
@@ -207,11 +226,34 @@ class SparseMambaComponent(MambaComponent):
     # ---------------------------------------------------------------- mirror state frees
 
     def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
-        had = EvictLayer.DEVICE in target and node.component_data[self.component_type].value is not None
+        # HiCache: the mirror is the logical cache (device + host). A state demoted to the host
+        # (device slot freed, host copy kept) stays in the mirror; it leaves only when its last
+        # copy goes (device eviction without a backup, or host eviction).
+        cd = node.component_data[self.component_type]
+        had = _holds_state(cd)
         out = super().evict_component(node, device_frees, host_frees, cache_actions, target=target)
-        if had and node.component_data[self.component_type].value is None:
+        if had and not _holds_state(cd):
             self.cache.policy.on_state_freed(node.id)
         return out
+
+    # ---------------------------------------------------------------- HiCache phases
+
+    def commit_hicache_transfer(
+        self, node, phase, transfers=(), *, cache_actions, insert_result=None, pool_storage_result=None
+    ):
+        """SGLang's copies, then the mirror: a LOAD_BACK puts a host state back on the device (the
+        mirror already holds it); a PREFETCH from L3 storage may attach a state to a node that had
+        none (a new state for the mirror)."""
+        super().commit_hicache_transfer(
+            node,
+            phase,
+            transfers,
+            cache_actions=cache_actions,
+            insert_result=insert_result,
+            pool_storage_result=pool_storage_result,
+        )
+        if _holds_state(node.component_data[self.component_type]):
+            self.cache.policy.on_state_restored(node.id)
 
     # ---------------------------------------------------------------- evict (order)
 
@@ -483,8 +525,10 @@ class SparseRadixCache(UnifiedRadixCache):
         req = params.req
         if req is not None and params.cow_mamba:
             # SGLang's own view: the state-aligned prefix, the KV hit and the node it ends on.
+            # HiCache: the prefix continues on the host (``host_hit_length`` tokens, loaded back
+            # before the forward), as SGLang's Mamba boundary counts it.
             self._pending_match[req.rid] = (
-                int(r.device_prefix_len),
+                int(r.device_prefix_len) + int(r.host_hit_length or 0),
                 int(r.full_kv_hit_length),
                 r.last_visited_node_id,
             )
@@ -558,7 +602,7 @@ class SparseRadixCache(UnifiedRadixCache):
         """SGLang's tree as ``(node_id, parent_id, edge token ids, holds a state)``, parents first."""
         mamba = ComponentType.MAMBA
         for n in self.tree_core.iter_nodes():
-            yield n.id, n.parent.id, n.key.raw_token_ids(), n.component_data[mamba].value is not None
+            yield n.id, n.parent.id, n.key.raw_token_ids(), _holds_state(n.component_data[mamba])
 
     def check_policy_mirror(self) -> None:
         """Raise ``MirrorError`` unless the policy's mirror equals SGLang's tree (same nodes, parents,
@@ -582,8 +626,12 @@ class SparseRadixCache(UnifiedRadixCache):
         tc = self.tree_core
         states = len(tc.lru_lists[ComponentType.MAMBA].cache)
         kv_tokens = int(tc.full_evictable_size() + tc.full_protected_size())
+        host_lru = getattr(tc, "host_lru_lists", None)
+        host_only = len(host_lru[ComponentType.MAMBA].cache) if host_lru and tc.enable_hicache else 0
         d.update(
             states_held=states,
+            #: HiCache: states held on the host only (demoted from the device, backed up)
+            states_host_only=host_only,
             kv_tokens_held=kv_tokens,
             state_bytes=self._state_bytes,
             kv_bytes_per_token=self._kv_bytes,

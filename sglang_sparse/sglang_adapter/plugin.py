@@ -180,8 +180,6 @@ def launcher_problems(server_args: Any) -> list[str]:
         problems += _grid_option_problems(config, int(page))
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
-    if getattr(server_args, "enable_hierarchical_cache", False):
-        problems.append("--enable-hierarchical-cache is not supported")
     return problems
 
 
@@ -374,8 +372,6 @@ def sparse_cache_factory(ctx: Any):
     extra_buffer = bool(getattr(p, "enable_mamba_extra_buffer", False))
     if extra_buffer and _lazy_extra_buffer():
         problems.append("--mamba-radix-cache-strategy extra_buffer_lazy is not supported")
-    if ctx.enable_hierarchical_cache:
-        problems.append("--enable-hierarchical-cache is not supported")
     if ctx.disable_radix_cache or getattr(p, "disable", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
     page = int(getattr(p, "page_size", 1) or 1)

@@ -100,6 +100,8 @@ class PolicyStats:
     #: demoted to spare (:meth:`~sglang_sparse.policy.cache.HybridCache.supersede`)
     superseded: int = 0
     states_inserted: int = 0
+    #: states the mirror learnt of from a HiCache transfer (load back / prefetch) it did not hold
+    states_restored: int = 0
     states_evicted: int = 0
     kv_leaves_evicted: int = 0
     eviction_walks: int = 0
@@ -252,6 +254,16 @@ class TreePolicy:
                 self._own.setdefault(self._owner_next, set()).add(node_id)
         self._probation_next = 0
         self._owner_next = None
+
+    def on_state_restored(self, node_id: int) -> None:
+        """SGLang holds a state at ``node_id`` that reached it through a HiCache transfer (a load
+        back from the host, a prefetch from storage), not an admitted checkpoint: the mirror gets it
+        if it lacks it; no admission's probation tier or owner is consumed."""
+        n = self.mirror.get(node_id)
+        if n is None or n.end in n.checkpoints:
+            return
+        if self._guard("restore", self.mirror.set_state, node_id):
+            self.stats.states_restored += 1
 
     def on_state_freed(self, node_id: int) -> None:
         self.cache.probation.pop(node_id, None)

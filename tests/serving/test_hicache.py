@@ -1,11 +1,11 @@
-"""SGLang's own hierarchical cache (HiCache) on the CPU, through the project's CPU plugin.
+"""SGLang's hierarchical cache (HiCache) on the CPU, native and with ``--radix-cache-backend sparse``.
 
-Native SGLang 0.5.23 (no ``--radix-cache-backend``) with ``--enable-hierarchical-cache`` serves the
-tiny random-weight Qwen3-Next on the CPU once the plugin's HiCache routes are installed
-(``kernels/sglang_sparse_kernels/sgl_kernel_cpu/hicache.py``: host pools without CUDA, torch copy
-ops, the ``direct`` io backend resolved automatically). A small device pool (1,024 KV tokens, 8 state
-slots) and a host 6x its size; per configuration (no_buffer write-through and write-back,
-extra_buffer write-back at page size 16), one server at a time:
+SGLang 0.5.23 with ``--enable-hierarchical-cache`` serves the tiny random-weight Qwen3-Next on the CPU
+once the plugin's HiCache routes are installed (``kernels/sglang_sparse_kernels/sgl_kernel_cpu/
+hicache.py``: host pools without CUDA, torch copy ops, the ``direct`` io backend resolved
+automatically). A small device pool (1,024 KV tokens, 8 state slots) and a host 6x its size; per
+configuration (native: no_buffer write-through and write-back, extra_buffer write-back at page 16;
+sparse: no_buffer write-back, extra_buffer write-through at page 16), one server at a time:
 
 * the resolved arguments: io backend ``direct``, layout ``page_first_direct``, without the flags;
 * greedy tokens identical to a ``--disable-radix-cache`` server on a workload whose session turns and
@@ -13,12 +13,16 @@ extra_buffer write-back at page size 16), one server at a time:
   after each hit: this model's GDN layers forget a wrong state within a few tokens);
 * those returning requests hit (``cached_tokens`` > 0), where SGLang's plain radix cache with the
   same device pool hits nothing: the host tier served them;
-* nothing leaked at idle (KV in use 0; SGLang's strict idle memory check on).
+* nothing leaked at idle (KV in use 0; SGLang's strict idle memory check on); for sparse also: its
+  mirror of SGLang's tree (device + host: a state demoted to the host stays, it leaves with its last
+  copy) checked after every step (``SGLANG_SPARSE_CHECK_INVARIANTS``) without a violation, available
+  + held = pool size on both pools, and a flush returns both pools whole.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,12 +46,20 @@ SIZING = {"context_length": 2048, "max_total_tokens": 1024, "max_mamba_cache_siz
 HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "6"]
 #: the requests that come back after the device was flushed (session turn, branch, other session)
 RETURNING = ("A1t3", "A1b", "B1t2")
+WT, WB = ["--hicache-write-policy", "write_through"], ["--hicache-write-policy", "write_back"]
+SPARSE = ["--radix-cache-backend", "sparse"]
 CONFIGS = {
-    "nb_write_through": ("no_buffer", ["--hicache-write-policy", "write_through"]),
-    "nb_write_back": ("no_buffer", ["--hicache-write-policy", "write_back"]),
-    "eb_write_back_page16": ("extra_buffer", ["--hicache-write-policy", "write_back", "--page-size", "16"]),
+    "native_nb_write_through": ("no_buffer", WT),
+    "native_nb_write_back": ("no_buffer", WB),
+    "native_eb_write_back_page16": ("extra_buffer", [*WB, "--page-size", "16"]),
+    "sparse_nb_write_back": ("no_buffer", [*SPARSE, *WB]),
+    "sparse_eb_write_through_page16": ("extra_buffer", [*SPARSE, *WT, "--page-size", "16"]),
 }
-CHECK_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+CHECK_ENV = {
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+    "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1",
+    "SGLANG_SPARSE_CHECK_INVARIANTS": "1",
+}
 
 
 def toks(n: int, seed: int) -> list[int]:
@@ -86,6 +98,17 @@ def run(srv: SGLangServer) -> dict[str, Any]:
     return {"outputs": outputs, "cached": cached}
 
 
+def idle_load(srv: SGLangServer, timeout: float = 60.0) -> dict[str, Any]:
+    """``/v1/loads`` once the scheduler has settled (the last request's release can trail its
+    response) or after ``timeout`` seconds: the last reading either way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = requests.get(f"{srv.url}/v1/loads", timeout=60).json()["loads"][0]
+        if (load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.5)
+
+
 def _start(srv: SGLangServer) -> SGLangServer:
     try:
         srv.start(timeout=300)
@@ -108,14 +131,20 @@ def _serve(
             model_dir, base_args=base, env={**strategy_env, **(env or {})}, extra_args=extra, **SIZING
         )
     )
+    sparse = "sparse" in extra
     try:
         info = requests.get(f"{srv.url}/server_info", timeout=60).json()
         res = run(srv)
-        load = requests.get(f"{srv.url}/v1/loads", timeout=60).json()["loads"][0]
+        load = idle_load(srv)
+        idle = flushed = None
+        if sparse:
+            idle = srv.wait_sparse_idle(60)
+            assert srv.flush_cache()
+            flushed = srv.wait_sparse_idle(60)
         alive, log = srv.alive(), srv.log_tail(2_000_000)
     finally:
         srv.stop()
-    return {**res, "info": info, "load": load, "alive": alive, "log": log}
+    return {**res, "info": info, "load": load, "idle": idle, "flushed": flushed, "alive": alive, "log": log}
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +188,15 @@ def test_nothing_leaked_at_idle(hicache: dict[str, Any]) -> None:
     assert load["num_running_reqs"] == 0 and load["num_used_tokens"] == 0, load
     for marker in ("leak detected", "Leak Detected", "Traceback"):
         assert marker not in hicache["log"], marker
+    s = hicache["idle"]
+    if s is None:  # native
+        return
+    assert s["mirror_errors"] == 0 and s["invariant_violations"] == 0, s.get("last_invariant_error")
+    assert s["kv_protected"] == 0 and s["mamba_protected"] == 0, s
+    assert s["kv_available"] + s["kv_evictable"] == s["kv_pool_size"], s
+    assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
+    # the mirror is the logical cache: every state on the device or only on the host
+    assert s["states_host_only"] > 0 and s["policy_states"] == s["states_held"] + s["states_host_only"], s
+    f = hicache["flushed"]
+    assert f["kv_available"] == f["kv_pool_size"] and f["mamba_available"] == f["mamba_pool_size"], f
+    assert f["policy_states"] == 0 and f["mirror_errors"] == 0, f
