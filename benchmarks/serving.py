@@ -28,6 +28,22 @@ Outputs: ``benchmarks/results/serving.json`` and ``benchmarks/results/serving.pn
 Prefilled tokens are deterministic (the acceptance figures: never more than the native cache of
 the same state strategy on any prefix of a slice, share of the perfect-cache saving over it); TTFT
 here is sequential and noisy, the comparison under load is ``benchmarks/serving_load.py``.
+
+HiCache mode (``--hicache``; default traces ``doc_qa``, ``system_prompts``, ``agent``): SGLang's
+hierarchical cache (``--enable-hierarchical-cache --hicache-write-policy write_back``, a host tier
+below a small device pool) on the extra_buffer strategy. One fresh server per trace and config:
+``native_eb_hicache`` (SGLang's cache + HiCache), ``sparse_hicache`` (``--radix-cache-backend
+sparse`` + HiCache), ``sparse_small`` (sparse without HiCache, the same device pool) and
+``nocache`` (token equality). Sizes per trace (:func:`hicache_sizing`) from the slice's KV
+footprint, the tokens of a trie of all its shrunk prompts (:func:`footprint_tokens`): device pool
+(``--max-total-tokens``) ~10% of it but at least the longest prompt + 64, rounded up to 64; host
+~50% of it via ``--hicache-ratio`` = host / device (at least 1.25); state slots
+(``--max-mamba-cache-size``) ~10% of the requests but at least 8 (the host holds ratio x as many).
+Acceptance: ``sparse_hicache`` prefills no more tokens than ``native_eb_hicache`` at any prefix of a
+slice (cumulative prefilled tokens), and fewer than ``sparse_small`` in total. Outputs:
+``benchmarks/results/serving_hicache.json`` and ``.png`` (cumulative prefilled tokens).
+
+    python benchmarks/serving.py --hicache             # 60 requests per trace
 """
 
 from __future__ import annotations
@@ -112,6 +128,8 @@ def run_config(
     context: int,
     log_dir: Path = RESULTS,
     strategy: str = "no_buffer",
+    kv_tokens: int = KV_TOKENS,
+    state_slots: int = STATE_SLOTS,
 ) -> dict[str, Any]:
     import requests
 
@@ -124,8 +142,8 @@ def run_config(
         env={"SGLANG_SPARSE_LOG_EVERY": "0", **strategy_env, **env},
         base_args=base,
         context_length=context,
-        max_total_tokens=KV_TOKENS,
-        max_mamba_cache_size=STATE_SLOTS,
+        max_total_tokens=kv_tokens,
+        max_mamba_cache_size=state_slots,
         log_path=log_dir / f"serving_{name}.log",
     )
     srv.start(timeout=600)
@@ -266,10 +284,240 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# --------------------------------------------------------------------------------------------------
+# HiCache mode (--hicache): a small device pool with a host tier below it, see the module docstring
+
+HICACHE_TRACES = "doc_qa,system_prompts,agent"
+HICACHE_WRITE_POLICY = "write_back"
+#: shares of the slice's footprint: device pool, host tier; share of the requests: state slots
+HICACHE_DEVICE_SHARE, HICACHE_HOST_SHARE, HICACHE_STATE_SHARE = 0.10, 0.50, 0.10
+HICACHE_MARGIN, HICACHE_ALIGN, HICACHE_MIN_STATES, HICACHE_MIN_RATIO = 64, 64, 8, 1.25
+
+
+def footprint_tokens(requests: list[list[int]]) -> int:
+    """KV footprint of a slice in tokens: the nodes of a token trie of all ``requests`` (every
+    distinct prefix counted once), what an unbounded prefix cache would hold after the slice."""
+    root: dict = {}
+    n = 0
+    for p in requests:
+        node = root
+        for t in p:
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                n += 1
+            node = nxt
+    return n
+
+
+def hicache_sizing(
+    requests: list[list[int]],
+    *,
+    device_share: float = HICACHE_DEVICE_SHARE,
+    host_share: float = HICACHE_HOST_SHARE,
+    state_share: float = HICACHE_STATE_SHARE,
+    margin: int = HICACHE_MARGIN,
+    align: int = HICACHE_ALIGN,
+    min_states: int = HICACHE_MIN_STATES,
+    min_ratio: float = HICACHE_MIN_RATIO,
+) -> dict[str, Any]:
+    """Device pool, host tier and state slots of a HiCache server for ``requests`` (a non-empty
+    slice): device ``device_share`` of :func:`footprint_tokens` but at least the longest prompt +
+    ``margin``, rounded up to ``align``; host ``host_share`` of the footprint as SGLang's
+    ``--hicache-ratio`` (host / device, rounded to 2 decimals, at least ``min_ratio``); state slots
+    ``state_share`` of the requests but at least ``min_states``."""
+    fp = footprint_tokens(requests)
+    floor = max(len(p) for p in requests) + margin
+    device = -(-max(-(-fp * device_share // 1), floor) // align) * align
+    ratio = max(round(host_share * fp / device, 2), min_ratio)
+    states = max(-(-len(requests) * state_share // 1), min_states)
+    return {
+        "footprint_tokens": fp,
+        "device_tokens": int(device),
+        "device_floor": floor,
+        "device_share": device / fp,
+        "hicache_ratio": ratio,
+        "host_tokens": int(device * ratio),
+        "host_share": device * ratio / fp,
+        "state_slots": int(states),
+        "host_state_slots": int(states * ratio),
+    }
+
+
+def hicache_configs(ratio: float) -> dict[str, Config]:
+    """The HiCache mode's configs; ``ratio``: ``--hicache-ratio`` (host / device)."""
+    sparse = ["--radix-cache-backend", "sparse"]
+    env = {"SGLANG_SPARSE_POLICY": "sparse"}
+    hicache = [
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        str(ratio),
+        "--hicache-write-policy",
+        HICACHE_WRITE_POLICY,
+    ]
+    return {
+        "nocache": (["--disable-radix-cache"], {}, "no_buffer"),
+        "native_eb_hicache": (hicache, {}, "extra_buffer"),
+        "sparse_hicache": ([*sparse, *hicache], env, "extra_buffer"),
+        "sparse_small": (sparse, env, "extra_buffer"),
+    }
+
+
+def hicache_summary(results: dict[str, dict], ideal: int | None = None) -> dict[str, Any]:
+    """One trace of the HiCache mode: ``results[config] = {"rows": [...], ...}`` (``nocache``,
+    ``native_eb_hicache``, ``sparse_hicache``, ``sparse_small``). Per config: tokens, TTFT, token
+    equality with ``nocache``, the prefixes of the slice where it prefilled more in total than
+    ``native_eb_hicache`` and its share of the perfect cache's saving over it; plus the acceptance:
+    sparse_hicache never above native_eb_hicache at any prefix, below sparse_small in total."""
+    ref = [r["token"] for r in results["nocache"]["rows"]]
+    base = "native_eb_hicache"
+    nat = _cumulative_prefilled(results[base]["rows"])
+    configs_: dict[str, dict] = {}
+    for cname, res in results.items():
+        rows = res["rows"]
+        cum = _cumulative_prefilled(rows)
+        ttft = [r["ttft"] for r in rows]
+        d = {
+            "requests": len(rows),
+            "prompt_tokens": sum(r["prompt"] for r in rows),
+            "cached_tokens": sum(r["cached"] for r in rows),
+            "prefilled_tokens": cum[-1] if cum else 0,
+            "ttft_mean": statistics.fmean(ttft) if ttft else None,
+            "ttft_median": statistics.median(ttft) if ttft else None,
+            "tokens_equal_nocache": [r["token"] for r in rows] == ref,
+            "mismatches": sum(a["token"] != b for a, b in zip(rows, ref, strict=True)),
+            f"prefixes_worse_than_{base}": [
+                i + 1 for i, (x, y) in enumerate(zip(cum, nat, strict=True)) if x > y
+            ],
+        }
+        room = nat[-1] - ideal if ideal is not None and nat else 0
+        if room > 0:
+            d[f"share_of_perfect_saving_vs_{base}"] = (nat[-1] - d["prefilled_tokens"]) / room
+        configs_[cname] = d
+    sp, small = configs_["sparse_hicache"], configs_["sparse_small"]
+    worse = sp[f"prefixes_worse_than_{base}"]
+    acceptance = {
+        f"sparse_hicache_never_above_{base}": not worse,
+        "first_prefix_above": worse[0] if worse else None,
+        "sparse_hicache_below_sparse_small": sp["prefilled_tokens"] < small["prefilled_tokens"],
+        "tokens_equal_nocache": all(d["tokens_equal_nocache"] for d in configs_.values()),
+    }
+    return {"configs": configs_, "perfect_cache_prefilled": ideal, "acceptance": acceptance}
+
+
+def plot_hicache(raw: dict, summary: dict, path: Path) -> None:
+    """Cumulative prefilled tokens per request, one panel per trace, one line per config."""
+    from benchmarks._common import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    tnames = list(raw)
+    fig, axes = plt.subplots(1, len(tnames), figsize=(5.5 * len(tnames), 4), squeeze=False)
+    for ax, t in zip(axes[0], tnames, strict=True):
+        for cname, res in raw[t]["configs"].items():
+            cum = _cumulative_prefilled(res["rows"])
+            ax.plot(range(1, len(cum) + 1), cum, label=cname)
+        sz = raw[t]["sizing"]
+        ax.set_title(
+            f"{t}: device {sz['device_tokens']} / host {sz['host_tokens']} of {sz['footprint_tokens']} tok",
+            fontsize=9,
+        )
+        ax.set_xlabel("request")
+        ax.set_ylabel("cumulative prefilled tokens")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_hicache(
+    args: argparse.Namespace, model_dir: Path, traces: dict[str, list[list[int]]], context: int
+) -> int:
+    """The ``--hicache`` mode: one server per trace and config (sizes per trace), sequential replay."""
+    from tqdm import tqdm
+
+    sizing = {t: hicache_sizing(v) for t, v in traces.items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(len(hicache_configs(2.0)) * len(v) for v in traces.values())
+    t0 = time.time()
+    raw: dict[str, Any] = {}
+    with tqdm(total=total, desc="serving hicache", file=sys.stderr) as bar:
+        for t, reqs in traces.items():
+            sz = sizing[t]
+            raw[t] = {"sizing": sz, "configs": {}}
+            for cname, (extra, env, strategy) in hicache_configs(sz["hicache_ratio"]).items():
+                bar.set_postfix_str(f"{t}/{cname}")
+                res = run_config(
+                    model_dir,
+                    f"hicache_{t}_{cname}",
+                    extra,
+                    env,
+                    {t: reqs},
+                    bar,
+                    context,
+                    args.out.parent,
+                    strategy,
+                    kv_tokens=sz["device_tokens"],
+                    state_slots=sz["state_slots"],
+                )
+                raw[t]["configs"][cname] = {
+                    "strategy": strategy,
+                    "args": extra,
+                    "startup_s": res["startup_s"],
+                    **res[t],
+                }
+    summary = {t: hicache_summary(raw[t]["configs"], ideal_prefilled(v)) for t, v in traces.items()}
+    wall = time.time() - t0
+    doc = {
+        "model": {"size": args.size, "path": str(model_dir)},
+        "requests_per_trace": {t: len(v) for t, v in traces.items()},
+        "prompt_lengths": {t: [len(p) for p in v] for t, v in traces.items()},
+        "server": {"chunked_prefill_size": CHUNK, "hicache_write_policy": HICACHE_WRITE_POLICY},
+        "sizing": sizing,
+        "wall_seconds": wall,
+        "summary": summary,
+        "raw": raw,
+    }
+    args.out.write_text(json.dumps(doc, indent=1))
+    plot_hicache(raw, summary, args.out.with_suffix(".png"))
+    for t, s in summary.items():
+        sz = sizing[t]
+        print(
+            f"{t}: footprint {sz['footprint_tokens']} tok, device {sz['device_tokens']} "
+            f"({sz['device_share']:.0%}), host {sz['host_tokens']} ({sz['host_share']:.0%}, ratio "
+            f"{sz['hicache_ratio']}), state slots {sz['state_slots']} (host {sz['host_state_slots']}); "
+            f"perfect cache prefills {s['perfect_cache_prefilled']}"
+        )
+        for c, d in s["configs"].items():
+            share = d.get("share_of_perfect_saving_vs_native_eb_hicache")
+            print(
+                f"  {c:18s} prefilled {d['prefilled_tokens']:6d} cached {d['cached_tokens']:6d}  "
+                f"tokens==nocache {d['tokens_equal_nocache']} ({d['mismatches']} mismatches)  "
+                f"ttft mean {d['ttft_mean']:.3f}s  prefixes above native_eb_hicache: "
+                f"{len(d['prefixes_worse_than_native_eb_hicache'])}"
+                + (f"  perfect-saving share {share:.0%}" if share is not None else "")
+            )
+        a = s["acceptance"]
+        print(
+            f"  acceptance: sparse_hicache <= native_eb_hicache at every prefix "
+            f"{a['sparse_hicache_never_above_native_eb_hicache']}"
+            + (f" (first above at prefix {a['first_prefix_above']})" if a["first_prefix_above"] else "")
+            + f"; sparse_hicache < sparse_small {a['sparse_hicache_below_sparse_small']}; "
+            f"tokens equal {a['tokens_equal_nocache']}"
+        )
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')} in {wall:.0f}s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="sparse/native/no-cache, fewer requests (< 5 min)")
-    ap.add_argument("--traces", default="doc_qa,system_prompts")
+    ap.add_argument(
+        "--hicache",
+        action="store_true",
+        help="HiCache mode: native_eb/sparse with HiCache, sparse without, small device pool per trace",
+    )
+    ap.add_argument("--traces", help=f"default doc_qa,system_prompts ({HICACHE_TRACES} with --hicache)")
     ap.add_argument("--requests", type=int, help="requests per trace (default 8 quick, 60 full)")
     ap.add_argument("--target-len", type=int, default=768, help="median shrunk prompt length")
     ap.add_argument(
@@ -285,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         from benchmarks._common import results_dir
 
-        args.out = results_dir(args.quick) / "serving.json"
+        args.out = results_dir(args.quick) / ("serving_hicache.json" if args.hicache else "serving.json")
+    if args.traces is None:
+        args.traces = HICACHE_TRACES if args.hicache else "doc_qa,system_prompts"
 
     from tqdm import tqdm
 
@@ -303,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         t: load_requests(t, n, target=args.target_len, tail=48, max_len=context - 16, vocab=vocab)
         for t in trace_names
     }
+    if args.hicache:
+        return run_hicache(args, model_dir, traces, context)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cfgs = configs(args.quick)
     total = len(cfgs) * sum(len(v) for v in traces.values())

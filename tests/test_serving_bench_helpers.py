@@ -44,3 +44,49 @@ def test_summary_compares_each_config_with_both_native_baselines() -> None:
     assert s["sparse"]["share_of_perfect_saving_vs_native_eb"] == -14 / 46
     assert s["sparse"]["strategy"] == "extra_buffer" and baseline_of("extra_buffer") == "native_eb"
     assert s["perfect_cache_bound"]["prefilled_vs_native_eb"] == 150 / 196
+
+
+def test_footprint_counts_each_distinct_prefix_once() -> None:
+    from benchmarks.serving import footprint_tokens
+
+    # [1,2,3,4] 4; [1,2,9] adds 9; a repeat adds nothing; [7] 1
+    assert footprint_tokens([[1, 2, 3, 4], [1, 2, 9], [1, 2, 3, 4], [7]]) == 6
+    assert footprint_tokens([]) == 0
+
+
+def test_hicache_sizing_shares_with_a_device_floor_of_one_request() -> None:
+    from benchmarks.serving import hicache_sizing
+
+    # 20 disjoint 500-token prompts: footprint 10,000; 10% = 1,000 >= 500 + 64; host 5,000
+    big = [[i * 1000 + j for j in range(500)] for i in range(20)]
+    s = hicache_sizing(big)
+    assert s["footprint_tokens"] == 10_000 and s["device_tokens"] == 1024  # 1,000 rounded up to 64
+    assert s["hicache_ratio"] == round(5000 / 1024, 2) and s["state_slots"] == 8
+    # one long prompt: the device holds it (+ margin, aligned), the ratio never falls to 1
+    s = hicache_sizing([list(range(3000))])
+    assert s["device_tokens"] == 3072 and s["hicache_ratio"] == 1.25
+    assert hicache_sizing(big * 10)["state_slots"] == 20
+
+
+def test_hicache_summary_acceptance() -> None:
+    from benchmarks.serving import hicache_summary
+
+    def rows(cached: list[int], tok: int = 1) -> dict:
+        return {"rows": [{"ttft": 1.0, "prompt": 100, "cached": c, "token": [tok]} for c in cached]}
+
+    results = {
+        "nocache": rows([0, 0, 0]),
+        "native_eb_hicache": rows([0, 40, 64]),  # 100, 160, 196
+        "sparse_hicache": rows([0, 50, 50]),  # 100, 150, 200: above at prefix 3
+        "sparse_small": rows([0, 30, 30]),  # 100, 170, 240
+    }
+    s = hicache_summary(results, ideal=150)
+    a = s["acceptance"]
+    assert s["configs"]["sparse_hicache"]["prefixes_worse_than_native_eb_hicache"] == [3]
+    assert a["first_prefix_above"] == 3 and not a["sparse_hicache_never_above_native_eb_hicache"]
+    assert a["sparse_hicache_below_sparse_small"] and a["tokens_equal_nocache"]
+    assert s["configs"]["sparse_hicache"]["share_of_perfect_saving_vs_native_eb_hicache"] == -4 / 46
+    results["sparse_hicache"] = rows([0, 50, 70], tok=2)
+    a = hicache_summary(results)["acceptance"]
+    assert a["sparse_hicache_never_above_native_eb_hicache"] and a["first_prefix_above"] is None
+    assert not a["tokens_equal_nocache"]

@@ -24,9 +24,6 @@ About 8 minutes on 2 cores.
 
 from __future__ import annotations
 
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +46,7 @@ from sglang_sparse.testing.server import (  # noqa: E402
     ServerError,
     SGLangServer,
 )
+from sglang_sparse.testing.storm import new_tokens, run_storm, storm_prompts  # noqa: E402
 
 CONTEXT = 2048
 CHUNK = ["--chunked-prefill-size", "256"]
@@ -211,43 +209,16 @@ def test_default_launch_keeps_sglangs_fast_path(model_dir: Path) -> None:
 STORM = 500
 
 
-def storm_prompts() -> list[list[int]]:
-    heads = [toks(300 + 60 * k, 800 + k) for k in range(8)]
-    return [heads[i % 8][: 200 + (i * 37) % 250] + toks(8 + i % 29, 900 + i) for i in range(STORM)]
-
-
 def test_storm_with_aborts_no_leak_tokens_identical(model_dir: Path) -> None:
     """500 concurrent requests over 8 shared heads, every 5th aborted mid-flight, against a 30-slot
     state pool (page 16): no crash, every completed request matches no cache token for token, and at idle
     every slot is free or held by the tree (also after a flush)."""
-    prompts = storm_prompts()
+    prompts = storm_prompts(STORM, toks)
     srv = _server(model_dir, ["--page-size", "16", *SPARSE], eb=True, state_slots=30)
     try:
-        stop = threading.Event()
-
-        def one(k: int) -> Any:
-            n = 1 if k % 7 == 0 else 3  # some finish at their prefill
-            try:
-                return srv.generate(prompts[k], n, timeout=600, rid=f"storm-{k}")
-            except Exception as exc:  # noqa: BLE001 - aborted requests may answer with an error
-                return exc
-
-        def aborter() -> None:
-            k = 0
-            while not stop.is_set() and k < STORM:
-                requests.post(f"{srv.url}/abort_request", json={"rid": f"storm-{k}"}, timeout=30)
-                k += 5
-                time.sleep(0.02)
-
-        t = threading.Thread(target=aborter)
-        t.start()
-        with ThreadPoolExecutor(max_workers=48) as pool:
-            outs = list(pool.map(one, range(STORM)))
-        stop.set()
-        t.join()
+        done = run_storm(srv, prompts)
         assert srv.alive(), srv.log_tail()
         s = srv.wait_sparse_idle()
-        done = {k: o.output_ids for k, o in enumerate(outs) if not isinstance(o, Exception) and o.output_ids}
         print(
             f"storm: {len(done)}/{STORM} completed; capture stats",
             {k: v for k, v in s.items() if "capture" in k},
@@ -267,7 +238,7 @@ def test_storm_with_aborts_no_leak_tokens_identical(model_dir: Path) -> None:
         srv.stop()
     ref = _server(model_dir, ["--disable-radix-cache"], eb=False)
     try:
-        want = {k: ref.generate(prompts[k], 1 if k % 7 == 0 else 3).output_ids for k in sorted(done)}
+        want = {k: ref.generate(prompts[k], new_tokens(k)).output_ids for k in sorted(done)}
     finally:
         ref.stop()
     assert done == want
