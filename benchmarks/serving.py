@@ -197,6 +197,37 @@ def _cumulative_prefilled(rows: list[dict]) -> list[int]:
     return out
 
 
+def config_stats(rows: list[dict], ref: list[int]) -> dict[str, Any]:
+    """One config's replay of a slice (``rows``): TTFT (mean, median, p95), tokens, and token
+    equality with the no-cache run's tokens ``ref``."""
+    ttft = [r["ttft"] for r in rows]
+    q = sorted(ttft)
+    return {
+        "requests": len(rows),
+        "ttft_mean": statistics.fmean(ttft) if ttft else None,
+        "ttft_median": statistics.median(ttft) if ttft else None,
+        "ttft_p95": q[min(len(q) - 1, int(round(0.95 * (len(q) - 1))))] if q else None,
+        "prompt_tokens": sum(r["prompt"] for r in rows),
+        "cached_tokens": sum(r["cached"] for r in rows),
+        "prefilled_tokens": sum(r["prompt"] - r["cached"] for r in rows),
+        "tokens_equal_nocache": [r["token"] for r in rows] == ref,
+        "mismatches": sum(a["token"] != b for a, b in zip(rows, ref, strict=True)),
+    }
+
+
+def versus_baseline(rows: list[dict], base_rows: list[dict], base: str, ideal: int | None) -> dict[str, Any]:
+    """A config against the baseline ``base`` on the same slice: the prefixes (1-based) where it
+    prefilled more tokens in total, and, with the perfect cache's prefilled tokens ``ideal``, its
+    share of the most any cache saves over the baseline."""
+    mine, nat = _cumulative_prefilled(rows), _cumulative_prefilled(base_rows)
+    worse = [i + 1 for i, (x, y) in enumerate(zip(mine, nat, strict=True)) if x > y]
+    out: dict[str, Any] = {f"prefixes_worse_than_{base}": worse}
+    room = nat[-1] - ideal if ideal is not None and nat else 0
+    if room > 0:
+        out[f"share_of_perfect_saving_vs_{base}"] = (nat[-1] - (mine[-1] if mine else 0)) / room
+    return out
+
+
 def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | None = None) -> dict:
     """Per trace and config: TTFT, tokens, token equality, and against each native baseline present
     (``native``, ``native_eb``): TTFT ratio, the prefixes of the slice where the config prefilled
@@ -206,37 +237,21 @@ def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | Non
         ref = [r["token"] for r in results["nocache"][tname]["rows"]]
         s: dict[str, dict] = {}
         for cname, res in results.items():
-            rows = res[tname]["rows"]
-            ttft = [r["ttft"] for r in rows]
-            q = sorted(ttft)
-            s[cname] = {
-                "strategy": res.get("strategy", "no_buffer"),
-                "requests": len(rows),
-                "ttft_mean": statistics.fmean(ttft),
-                "ttft_median": statistics.median(ttft),
-                "ttft_p95": q[min(len(q) - 1, int(round(0.95 * (len(q) - 1))))],
-                "prompt_tokens": sum(r["prompt"] for r in rows),
-                "cached_tokens": sum(r["cached"] for r in rows),
-                "prefilled_tokens": sum(r["prompt"] - r["cached"] for r in rows),
-                "tokens_equal_nocache": [r["token"] for r in rows] == ref,
-                "mismatches": sum(a["token"] != b for a, b in zip(rows, ref, strict=True)),
-            }
+            s[cname] = {"strategy": res.get("strategy", "no_buffer"), **config_stats(res[tname]["rows"], ref)}
         for base in ("native", "native_eb"):
             if base not in s:
                 continue
             b = s[base]
-            nat = _cumulative_prefilled(results[base][tname]["rows"])
-            room = b["prefilled_tokens"] - ideal[tname] if ideal is not None else 0
             for cname, d in s.items():
                 d[f"ttft_mean_vs_{base}"] = d["ttft_mean"] / b["ttft_mean"] if b["ttft_mean"] else None
-                mine = _cumulative_prefilled(results[cname][tname]["rows"])
-                pairs = enumerate(zip(mine, nat, strict=True))
-                # Never worse than the baseline on any prefix of the slice: cumulative prefilled tokens.
-                d[f"prefixes_worse_than_{base}"] = [i + 1 for i, (x, y) in pairs if x > y]
-                if room > 0:  # the most any cache saves over this baseline
-                    d[f"share_of_perfect_saving_vs_{base}"] = (
-                        b["prefilled_tokens"] - d["prefilled_tokens"]
-                    ) / room
+                d.update(
+                    versus_baseline(
+                        results[cname][tname]["rows"],
+                        results[base][tname]["rows"],
+                        base,
+                        ideal[tname] if ideal is not None else None,
+                    )
+                )
         if ideal is not None:
             # what no cache can beat: a perfect cache's prefilled tokens
             s["perfect_cache_bound"] = {
@@ -295,19 +310,15 @@ HICACHE_MARGIN, HICACHE_ALIGN, HICACHE_MIN_STATES, HICACHE_MIN_RATIO = 64, 64, 8
 
 
 def footprint_tokens(requests: list[list[int]]) -> int:
-    """KV footprint of a slice in tokens: the nodes of a token trie of all ``requests`` (every
-    distinct prefix counted once), what an unbounded prefix cache would hold after the slice."""
-    root: dict = {}
-    n = 0
+    """KV footprint of a slice in tokens: what an unbounded prefix cache holds after the slice (every
+    distinct prefix counted once: the tokens of a radix tree of all ``requests``)."""
+    from sglang_sparse.tree import RadixTree
+
+    tree = RadixTree(1, 1)
     for p in requests:
-        node = root
-        for t in p:
-            nxt = node.get(t)
-            if nxt is None:
-                nxt = node[t] = {}
-                n += 1
-            node = nxt
-    return n
+        if p:
+            tree.insert(p)
+    return int(tree.kv_tokens)
 
 
 def hicache_sizing(
@@ -371,29 +382,11 @@ def hicache_summary(results: dict[str, dict], ideal: int | None = None) -> dict[
     sparse_hicache never above native_eb_hicache at any prefix, below sparse_small in total."""
     ref = [r["token"] for r in results["nocache"]["rows"]]
     base = "native_eb_hicache"
-    nat = _cumulative_prefilled(results[base]["rows"])
-    configs_: dict[str, dict] = {}
-    for cname, res in results.items():
-        rows = res["rows"]
-        cum = _cumulative_prefilled(rows)
-        ttft = [r["ttft"] for r in rows]
-        d = {
-            "requests": len(rows),
-            "prompt_tokens": sum(r["prompt"] for r in rows),
-            "cached_tokens": sum(r["cached"] for r in rows),
-            "prefilled_tokens": cum[-1] if cum else 0,
-            "ttft_mean": statistics.fmean(ttft) if ttft else None,
-            "ttft_median": statistics.median(ttft) if ttft else None,
-            "tokens_equal_nocache": [r["token"] for r in rows] == ref,
-            "mismatches": sum(a["token"] != b for a, b in zip(rows, ref, strict=True)),
-            f"prefixes_worse_than_{base}": [
-                i + 1 for i, (x, y) in enumerate(zip(cum, nat, strict=True)) if x > y
-            ],
-        }
-        room = nat[-1] - ideal if ideal is not None and nat else 0
-        if room > 0:
-            d[f"share_of_perfect_saving_vs_{base}"] = (nat[-1] - d["prefilled_tokens"]) / room
-        configs_[cname] = d
+    base_rows = results[base]["rows"]
+    configs_ = {
+        cname: {**config_stats(res["rows"], ref), **versus_baseline(res["rows"], base_rows, base, ideal)}
+        for cname, res in results.items()
+    }
     sp, small = configs_["sparse_hicache"], configs_["sparse_small"]
     worse = sp[f"prefixes_worse_than_{base}"]
     acceptance = {

@@ -73,19 +73,17 @@ def test_host_cost_discounts_the_expected_load_and_pickles():
 @pytest.mark.parametrize("policy", ["lru", "sglang_native", "sparse_dp", "block32"])
 def test_hits_equal_one_cache_of_both_tiers(policy):
     """Policies that do not value loads keep exactly what one cache of device + host bytes keeps
-    (write-back), with the device's fit: the tier only decides who pays a load."""
+    (write-back), with the device's fit: the tier only decides who pays a load. (No prompt here
+    resumes deeper than the device fits; the cap is tested below.)"""
     device = 4 * SB + 6_000 * KV
     host = HostTierConfig(3 * device)
     two = simulate(TRACE, policy, device, COST, host=host, check=True, keep_records=True)
     fit = (device - SB) // KV
     one = simulate(TRACE, policy, device + host.budget_bytes, COST, fit_tokens=fit, keep_records=True)
-    capped = [min(r.resume_depth, fit) for r in one.records]
     assert two.max_bytes_used <= device + host.budget_bytes
-    assert all(r.resume_depth <= fit for r in two.records)
-    # the cap can only lower a resume, and where it does not bind the two replays agree request by request
-    assert [r.resume_depth for r in two.records] <= [r.resume_depth for r in one.records]
-    same = [a.resume_depth == b for a, b in zip(two.records, capped, strict=True)]
-    assert sum(same) >= len(same) - 5
+    assert all(r.resume_depth <= fit for r in one.records)  # the cap never binds on this trace
+    assert [r.resume_depth for r in two.records] == [r.resume_depth for r in one.records]
+    assert two.hit_tokens == one.hit_tokens > 0 and two.load_bytes > 0
 
 
 def test_no_loads_when_the_device_holds_everything():

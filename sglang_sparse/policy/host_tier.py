@@ -77,9 +77,6 @@ class HostTierConfig:
         """Prefill FLOPs the device could have run while one byte is loaded."""
         return self.device_flops / self.load_bandwidth
 
-    def load_seconds(self, num_bytes: int) -> float:
-        return num_bytes / self.load_bandwidth
-
     def load_flops(self, num_bytes: int) -> float:
         """A load of ``num_bytes`` expressed in prefill FLOPs (the device time it takes)."""
         return num_bytes * self.flops_per_byte

@@ -180,9 +180,9 @@ def launcher_problems(server_args: Any) -> list[str]:
         problems += _grid_option_problems(config, int(page))
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
-    wp = getattr(server_args, "hicache_write_policy", None)
     hicache = getattr(server_args, "enable_hierarchical_cache", False)
-    if config is not None and hicache and _forward_capture_unsafe(wp) and config.capture == "forward":
+    wp = getattr(server_args, "hicache_write_policy", None)
+    if config is not None and config.capture == "forward" and _forward_capture_unsafe(hicache, wp):
         if _capture_explicit():
             problems.append(_FORWARD_WRITE_BACK)
     return problems
@@ -328,11 +328,11 @@ _FORWARD_WRITE_BACK = (
 )
 
 
-def _forward_capture_unsafe(write_policy: str | None) -> bool:
-    """Whether in-forward capture is unsafe with HiCache's ``write_policy`` (anything but
-    write-through; measured: a 500-request storm with aborts crashed with write-back, not with
-    write-through nor with ``capture=cut``)."""
-    return (write_policy or "write_through") != "write_through"
+def _forward_capture_unsafe(hicache: bool, write_policy: str | None) -> bool:
+    """Whether in-forward capture is unsafe: HiCache on with a ``write_policy`` other than
+    write-through (measured: a 500-request storm with aborts crashed with write-back, not with
+    write-through nor with ``capture=cut``). Launcher and factory ask the same question."""
+    return bool(hicache) and (write_policy or "write_through") != "write_through"
 
 
 def _capture_explicit() -> bool:
@@ -471,7 +471,7 @@ def sparse_cache_factory(ctx: Any):
             logger.warning("sparse cache: no in-forward capture kernel on this device; capture=cut")
             capture = "cut"
     wp = getattr(ctx.server_args, "hicache_write_policy", None)
-    if capture == "forward" and ctx.enable_hierarchical_cache and _forward_capture_unsafe(wp):
+    if capture == "forward" and _forward_capture_unsafe(ctx.enable_hierarchical_cache, wp):
         if _capture_explicit():
             raise SparseBackendError(f"--radix-cache-backend sparse: {_FORWARD_WRITE_BACK}")
         logger.warning(
