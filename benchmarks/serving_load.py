@@ -128,6 +128,7 @@ import concurrent.futures
 import hashlib
 import json
 import math
+import os
 import random
 import shlex
 import sys
@@ -540,7 +541,11 @@ def start_servers(
         c: SGLangServer(
             model_dir,
             extra_args=server_args(c, chunk, chat_template),
-            env={"SGLANG_SPARSE_LOG_EVERY": "0", **setup(c)[1], **CONFIGS[config_base(c)][1]},
+            env={
+                "SGLANG_SPARSE_LOG_EVERY": os.environ.get("SGLANG_SPARSE_LOG_EVERY", "0"),
+                **setup(c)[1],
+                **CONFIGS[config_base(c)][1],
+            },
             base_args=setup(c)[0],
             max_total_tokens=pools["max_total_tokens"],
             max_mamba_cache_size=pools["max_mamba_cache_size"],

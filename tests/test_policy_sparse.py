@@ -212,3 +212,69 @@ def test_fit_state_leaves_room_for_the_branch_point_and_replaces_learned_positio
     fit_pos = ((8000 - state_tok) // 64) * 64  # room for the branch point's state too
     assert 960 in plan and fit_pos in plan
     assert [p for p in plan if p <= 8000] == [960, fit_pos]  # nothing else below the fit
+
+
+#: unused states of the tail prior (gamma 0.99) before its hit rate (one pseudo-hit) is below 2%
+MISSES_TO_DISTRUST = 40
+
+
+def test_tail_prior_hit_rate_counts_states_served_before_they_are_freed() -> None:
+    t = TailPrior(gamma=1.0)
+    assert t.hit_rate == 1.0  # no outcome yet: the prior's positions are trusted
+    for hit in (True, False, False, False):
+        t.observe_outcome(hit)
+    assert t.hit_rate == pytest.approx(2 / 5)  # one pseudo-hit, then 1 of 4
+    decayed = TailPrior(gamma=0.5)
+    decayed.observe_outcome(False)
+    decayed.observe_outcome(True)  # each outcome weighs twice the one before
+    assert decayed.hit_rate == pytest.approx((0.25 + 1) / (0.25 + 0.5 + 1))
+    assert t.trusted()
+    strict = TailPrior(gamma=1.0, min_hit_rate=0.25)
+    for _ in range(3):
+        strict.observe_outcome(False)
+    assert strict.hit_rate == 0.25 and strict.trusted()
+    strict.observe_outcome(False)
+    assert not strict.trusted()
+    with pytest.raises(ValueError, match="min_hit_rate"):
+        TailPrior(min_hit_rate=1.0)
+
+
+def test_tail_positions_go_on_probation_while_the_priors_states_go_unused() -> None:
+    """A stream of new documents with one question each (most RAG leaves are never revisited): the
+    tail prior's states at each document's end are freed unused, its hit rate falls below its
+    ``min_hit_rate`` (2%) and its positions become first-sight guesses (probation, evicted before every
+    used state). A request that resumes from one promotes it and counts as a hit."""
+    c = HybridCache("sparse", budget_bytes=10**12, cost=COST, tail_grid=1)
+    for _ in range(4):
+        c.tail.observe_suffix(48)  # questions of 48 tokens after a document
+    ids = itertools.count(1)
+    rng = np.random.default_rng(0)
+
+    def serve(tokens: np.ndarray):
+        m = c.match(tokens)
+        c.observe(m)
+        plan = c.plan(m, len(tokens), len(tokens))
+        handles = {p: next(ids) for p in plan.positions}
+        c.insert(tokens, None, handles, probation=plan.probation, tail=plan.tail)
+        return plan, handles
+
+    doc = rng.integers(100, 50_000, 907).astype(np.int32)
+    plan, handles = serve(np.concatenate([doc, rng.integers(0, 99, 48).astype(np.int32)]))
+    assert plan.tail == {907} and 907 not in plan.probation  # trusted: a normal state
+    assert handles[907] in c.tail_states
+    misses = 0
+    while c.tail.trusted():
+        c.evict(c.bytes_used)  # the pool needs the room before anyone comes back
+        misses += 1
+        assert not c.tail_states and misses < 100
+        doc = rng.integers(100, 50_000, 907).astype(np.int32)
+        plan, handles = serve(np.concatenate([doc, rng.integers(0, 99, 48).astype(np.int32)]))
+    assert misses == MISSES_TO_DISTRUST
+    assert plan.tail == {907} and 907 in plan.probation  # now a guess, evicted first
+    h = handles[907]
+    assert c.probation.get(h) and h in c.tail_states
+    # a second question on the last document resumes from it: a hit, promoted
+    before = c.tail.hit_rate
+    serve(np.concatenate([doc, rng.integers(0, 99, 60).astype(np.int32)]))
+    assert h not in c.probation and h not in c.tail_states
+    assert c.tail.hit_rate > before

@@ -3,6 +3,7 @@ token radix tree with SGLang's structural-event semantics (no SGLang)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import sys
@@ -407,3 +408,41 @@ def test_a_first_sight_guess_gives_way_to_the_exact_divergence_it_led_to() -> No
     assert r == len(doc)
     pol.plan("c", len(s), 1, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
     assert pol.stats.superseded == 1 and not pol.is_speculative(exact.id)
+
+
+def test_tail_prior_states_freed_unused_turn_its_positions_into_probation() -> None:
+    """The engine path of the tail prior's feedback: a state admitted at a tail position is
+    followed until a request resumes from it (a hit) or the engine frees it (a miss); once too few
+    of them served anyone the plan keeps its tail positions on probation, and a resume from one
+    promotes it and counts as a hit."""
+    pol = _policy("sparse", tail_grid=1)
+    eng = MiniEngine(pol)
+    for _ in range(4):
+        pol.cache.tail.observe_suffix(48)  # questions of 48 tokens after a document
+    rng = random.Random(2)
+    misses = 0
+    for i in itertools.count():
+        doc = [rng.randrange(100, 50_000) for _ in range(907)]
+        req = doc + [rng.randrange(99) for _ in range(48)]
+        node, d, r = eng.match(req)
+        plan = pol.plan(f"r{i}", len(req), 1, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+        assert plan.tail == {907}
+        assert pol.admit(f"r{i}", 907, finished=False, free_slots=0)
+        state = eng.insert(doc)
+        pol.end_checkpoint()
+        assert state.id in pol.cache.tail_states
+        if 907 in plan.probation:
+            break
+        assert not pol.is_speculative(state.id)
+        eng.free_state(state)  # evicted before any request came back
+        misses += 1
+        assert state.id not in pol.cache.tail_states
+    assert misses == 40 and pol.is_speculative(state.id)  # 1 pseudo-hit / 40 decayed misses < 2%
+    before = pol.cache.tail.hit_rate
+    assert not pol.cache.tail.trusted()
+    q = doc + [rng.randrange(99) for _ in range(60)]
+    node, d, r = eng.match(q)
+    assert r == 907
+    pol.plan("again", len(q), 1, kv_node_id=node.id, engine_kv=d, engine_prefix=r)
+    assert not pol.is_speculative(state.id) and state.id not in pol.cache.tail_states
+    assert pol.cache.tail.hit_rate > before

@@ -75,13 +75,16 @@ def capture_positions(
     fit: int | None = None,
     state_tokens: int = 0,
     branch_grid: int | None = None,
+    tail_out: set[int] | None = None,
 ) -> list[int]:
     """Sorted positions in ``(match.resume_depth, total_len]`` to capture for this request.
 
     ``branch_grid`` (tokens, default ``grid``): the grid the Marconi branch point is aligned down
     to. An engine that captures a state at any page-aligned depth inside a prefill (the in-forward
     list capture) passes its page size, so the next request on that branch resumes exactly where
-    the two diverged instead of up to ``grid - 1`` tokens above it."""
+    the two diverged instead of up to ``grid - 1`` tokens above it. ``tail_out``, if given,
+    receives the positions only the tail prior chose (no edge plan or branch point; a subset of
+    the result unless the fit state displaced them)."""
     if kind not in ADMISSIONS:
         raise ValueError(f"unknown admission {kind!r}; valid: {', '.join(ADMISSIONS)}")
     if total_len < input_len:
@@ -101,7 +104,10 @@ def capture_positions(
         if tail.observations < warmup:
             pos.add(total_len)
         else:
-            learned.update(tail.positions(match.kv_depth, total_len, tail_budget))
+            from_tail = set(tail.positions(match.kv_depth, total_len, tail_budget))
+            if tail_out is not None:
+                tail_out.update(from_tail - learned - pos)
+            learned.update(from_tail)
         pos.update(p for p in learned if p >= grid or p == total_len)
         if fit is not None and total_len > fit:
             # Room for the fit state: the prefix, this state and the branch point's. The learned

@@ -58,6 +58,9 @@ class CapturePlan:
 
     positions: tuple[int, ...]
     probation: frozenset[int] = frozenset()
+    #: the positions only the tail prior placed on the new leaf (on probation too while it is not
+    #: :meth:`~.TailPrior.trusted`); their states' outcomes feed :attr:`~.TailPrior.hit_rate`
+    tail: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -88,6 +91,7 @@ class CacheSnapshot:
     tail: TailPrior | None = None
     fit_tokens: int | None = None
     probation: Mapping[Any, int] = field(default_factory=dict)
+    tail_states: Mapping[Any, None] = field(default_factory=dict)
     prober: ProbationPlanner | None = None
     chains: ChainTracker | None = None
 
@@ -191,6 +195,8 @@ class HybridCache:
         #: an engine-offered state no plan asked for; ``sparse`` admission only, see :mod:`.probation`)
         self.probation: dict[Any, int] = {}
         self.prober = ProbationPlanner(gamma, grid=grid, budget=probation_budget)
+        #: handles of states the tail prior placed that no request has resumed from yet
+        self.tail_states: dict[Any, None] = {}
         #: online sessions (chains of leaves continued from their end; see :mod:`.chains`), tracked
         #: for every policy, used by eviction when ``spec.eviction.chain_recency``
         self.chains = ChainTracker(grid=grid)
@@ -219,6 +225,7 @@ class HybridCache:
             tail=copy.deepcopy(self.tail),
             fit_tokens=self.fit_tokens,
             probation=dict(self.probation),
+            tail_states=dict(self.tail_states),
             prober=copy.deepcopy(self.prober),
             chains=copy.deepcopy(self.chains),
         )
@@ -255,6 +262,7 @@ class HybridCache:
         if snap.tail is not None:
             cache.tail = copy.deepcopy(snap.tail)
         cache.probation.update(snap.probation)
+        cache.tail_states.update(snap.tail_states)
         if snap.prober is not None:
             cache.prober = copy.deepcopy(snap.prober)
         if snap.chains is not None:
@@ -302,6 +310,9 @@ class HybridCache:
             self.tail.observe_suffix(leaf.end + leaf.seq_tail - match.kv_depth)
         if self.spec.admission == "sparse":
             self.prober.observe(match.kv_depth)
+        if match.ckpt_handle in self.tail_states:
+            del self.tail_states[match.ckpt_handle]
+            self.tail.observe_outcome(True)
         self.promote(match)
         cont = self.chains.continuation(match)
         before = cont.last_access if cont is not None else 0
@@ -372,6 +383,7 @@ class HybridCache:
         captures states only at prefill-chunk ends (SGLang's ``no_buffer`` path) pays one extra
         forward pass per such position, more than the few tokens it would save per hit."""
         total = input_len if total_len is None else total_len
+        from_tail: set[int] = set()
         pos = capture_positions(
             self.spec.admission,
             self.tree,
@@ -384,6 +396,7 @@ class HybridCache:
             fit=self.fit_tokens,
             state_tokens=self._state_tokens,
             branch_grid=self.branch_grid,
+            tail_out=from_tail,
         )
         probation: set[int] = set()
         if self.spec.admission == "sparse":
@@ -398,6 +411,11 @@ class HybridCache:
                 fb = marconi_branch_point(match, input_len, self.grid)
                 if fb is not None and fb > match.resume_depth and fb not in pos:
                     probation.add(fb)
+            if not self.tail.trusted():
+                # The prior's states have not been serving requests (a stream whose new leaves are
+                # almost never revisited while their states are held): its positions become
+                # first-sight guesses, evicted before every used state.
+                probation.update(from_tail)
             pos = sorted(set(pos) | probation)
         if self.min_cut_gain > 0:
             kept, prev = [], match.resume_depth
@@ -407,7 +425,9 @@ class HybridCache:
                 kept.append(p)
                 prev = p
             pos = kept
-        return CapturePlan(tuple(pos), frozenset(probation.intersection(pos)))
+        return CapturePlan(
+            tuple(pos), frozenset(probation.intersection(pos)), frozenset(from_tail.intersection(pos))
+        )
 
     def insert(
         self,
@@ -417,18 +437,24 @@ class HybridCache:
         *,
         kv_offset: int = 0,
         probation: frozenset[int] | set[int] = frozenset(),
+        tail: frozenset[int] | set[int] = frozenset(),
     ) -> InsertResult:
         """Insert (see :meth:`RadixTree.insert`); the caller frees ``unused_kv`` / ``unused_states``.
         The new states at ``probation`` positions go on probation (a position that already held a
-        state keeps it, as it was)."""
+        state keeps it, as it was); new states at ``tail`` positions are followed until a request
+        resumes from them or they are freed (:meth:`TailPrior.observe_outcome`)."""
         res = self.tree.insert(tokens, kv, checkpoints, kv_offset=kv_offset)
         self.end_sequence(res.node)
-        if probation and checkpoints:
+        if (probation or tail) and checkpoints:
             unused = set(res.unused_states)
             for p in probation:
                 h = checkpoints.get(p)
                 if h is not None and h not in unused:
                     self.probation[h] = PROBATION
+            for p in tail:
+                h = checkpoints.get(p)
+                if h is not None and h not in unused:
+                    self.tail_states[h] = None
         return res
 
     def lock(self, node: Node) -> None:
@@ -448,8 +474,17 @@ class HybridCache:
         return self.forget(self.evictor.evict(self.budget_bytes))
 
     def forget(self, freed: Freed) -> Freed:
-        """Drop freed state handles from the probation set; returns ``freed``."""
-        if self.probation and freed.states:
+        """Drop freed state handles from the probation set and resolve the tail prior's among them
+        (freed unused); returns ``freed``."""
+        if freed.states:
             for h in freed.states:
                 self.probation.pop(h, None)
+                self.state_freed(h)
         return freed
+
+    def state_freed(self, handle: Any) -> None:
+        """The state ``handle`` is gone: if the tail prior placed it and no request resumed from
+        it, that is a miss."""
+        if handle in self.tail_states:
+            del self.tail_states[handle]
+            self.tail.observe_outcome(False)

@@ -8,8 +8,8 @@ events, which these classes forward:
   removed leaves and resets to the policy (registered as the tree core ``sparse_python``);
 * :class:`SparseMambaComponent` -- ``MambaComponent`` with policy admission
   (``prepare_for_caching_req`` returns 0 for an unplanned mid-request checkpoint), state
-  attach/free events, and a policy eviction order (``_evict_device_*``), keeping SGLang's
-  leaf-vs-tombstone semantics;
+  attach/free events, and a policy eviction order (``_evict_device_*``; with HiCache the host's
+  state drop, ``drive_host_eviction``), keeping SGLang's leaf-vs-tombstone semantics;
 * :class:`SparseFullComponent` -- ``FullComponent`` whose KV-leaf eviction walk follows the
   policy: a leaf holding a state by that state's policy key, a leaf without one first;
 * :class:`SparseRadixCache` -- the ``UnifiedRadixCache`` that owns the policy, plans each request
@@ -267,14 +267,17 @@ class SparseMambaComponent(MambaComponent):
         self._sparse_order = self._walk_order()
         self._evict_device_cursor = None
 
-    def _walk_order(self) -> Iterator[tuple[Any, bool]]:
+    def _walk_order(self, host: bool = False) -> Iterator[tuple[Any, bool]]:
         """``(SGLang node, scored)`` for the nodes holding a state: the policy's order first (lazily),
-        then SGLang's own LRU order for the states the policy offers no candidate for.
+        then SGLang's own LRU order for the states the policy offers no candidate for (``host``:
+        the host LRU of the states held on the host only, host-unlocked ones; else the device LRU,
+        unlocked ones).
 
         The caller evicts each node before asking for the next, so nothing here may depend on a
         yielded node staying in the tree: a policy handle SGLang no longer holds (only after
-        mirror drift; ``node_by_id`` would raise ``KeyError``) is skipped, and the LRU list is read
-        in full before its first node is yielded (walking it past an evicted node asserts)."""
+        mirror drift, or a tombstone ancestor SGLang deleted with an evicted leaf; ``node_by_id``
+        would raise ``KeyError``) is skipped, and the LRU list is read in full before its first
+        node is yielded (walking it past an evicted node asserts)."""
         arena = self.tree_core._node_arena.get  # noqa: SLF001 - None for a node SGLang deleted
         seen: set[int] = set(self.cache.policy.protected)  # the LRU rest skips them too
         for h in self.cache.policy.eviction_order():
@@ -284,13 +287,18 @@ class SparseMambaComponent(MambaComponent):
                 yield x, True
         # SGLang's LRU order for the rest, read in full before the first of them is yielded: the
         # caller evicts what it gets, and the list cannot be walked past a node it no longer holds.
-        lru = self.tree_core.lru_lists[self.component_type]
+        if host:
+            lru = self.tree_core.host_lru_lists[self.component_type]
+            first, prev = lru.get_lru_no_host_lock, lru.get_prev_no_host_lock
+        else:
+            lru = self.tree_core.lru_lists[self.component_type]
+            first, prev = lru.get_lru_no_lock, lru.get_prev_no_lock
         rest = []
-        x = lru.get_lru_no_lock()
+        x = first()
         while x is not None:  # least recent first, unlocked only
             if x.id not in seen:
                 rest.append(x)
-            x = lru.get_prev_no_lock(x)
+            x = prev(x)
         for x in rest:
             yield x, False
 
@@ -309,25 +317,33 @@ class SparseMambaComponent(MambaComponent):
                 self.cache.policy.stats.unscored_evictions += 1
             if x in self.tree_core.evictable_device_leaves:
                 return x.id  # the cache evicts the whole leaf (KV + state)
-            self.tree_core._evict_component_and_detach_lru(
-                x,
-                self,
-                target=EvictLayer.DEVICE,
-                tracker=tracker,
-                device_frees=device_frees,
-                host_frees=host_frees,
-                cache_actions=cache_actions,
-            )
-            self.tree_core._cascade_evict(
-                x,
-                self,
-                tracker,
-                device_frees=device_frees,
-                host_frees=host_frees,
-                cache_actions=cache_actions,
-            )
+            self._tombstone(x, EvictLayer.DEVICE, tracker, device_frees, host_frees, cache_actions)
             return None  # one mutation per step
         return None
+
+    def _tombstone(self, x, target, tracker, device_frees, host_frees, cache_actions) -> None:
+        """SGLang's step for an internal node (or a leaf that must stay): free its state on layer
+        ``target`` (device or host) only, detach it from that LRU, and cascade to the components
+        that depend on it, as ``MambaComponent``'s own walks do."""
+        tc = self.tree_core
+        tc._evict_component_and_detach_lru(
+            x,
+            self,
+            target=target,
+            tracker=tracker,
+            device_frees=device_frees,
+            host_frees=host_frees,
+            cache_actions=cache_actions,
+        )
+        tc._cascade_evict(
+            x,
+            self,
+            tracker,
+            device_frees=device_frees,
+            host_frees=host_frees,
+            cache_actions=cache_actions,
+            target=target,
+        )
 
     def _evict_device_end(self) -> None:
         if not self._policy_walk():
@@ -335,6 +351,42 @@ class SparseMambaComponent(MambaComponent):
         self._sparse_order = iter(())
         self._evict_device_cursor = None
         self.cache.maybe_check_invariants("state eviction")
+
+    # ---------------------------------------------------------------- HiCache host drop (order)
+
+    def _host_policy_walk(self) -> bool:
+        return self.tree_core.enable_hicache and not self.tree_core.enable_session_radix_cache
+
+    def drive_host_eviction(self, num_tokens, tracker, device_frees, host_frees, cache_actions):
+        """HiCache, host state pool short: drop host-only states in the policy's eviction order
+        (states on probation first, then the policy's key), not SGLang's host LRU (the order the
+        device demoted them in). The host holds what the logical cache (device + host) keeps
+        beyond the device, so what it drops is what the logical cache loses: the policy's
+        decision, as in the simulator's host tier (``policy/host_tier.py``). The device side stays
+        SGLang's LRU demotion (nothing is lost there). Each step is SGLang's own: a host leaf is
+        evicted whole (KV + state, ``_evict_host_leaf``), an internal node loses its host state
+        only (tombstone + cascade). States the policy offers no candidate for follow in SGLang's
+        host LRU order. With sessions SGLang's own walk runs (its cursor skips pinned leaves)."""
+        if not self._host_policy_walk():
+            return super().drive_host_eviction(num_tokens, tracker, device_frees, host_frees, cache_actions)
+        ct = self.component_type
+        tc = self.tree_core
+        host_lru = tc.host_lru_lists[ct]
+        for x, scored in self._walk_order(host=True):
+            if tracker[ct] >= num_tokens:
+                break
+            cd = x.component_data[ct]
+            if not host_lru.in_list(x) or cd.host_value is None or cd.host_lock_ref > 0:
+                continue  # on the device too (not the host's to drop), gone, or host-locked
+            if not scored:
+                self.cache.policy.stats.unscored_evictions += 1
+            self.cache.policy.stats.host_state_drops += 1
+            if x in tc.evictable_host_leaves:
+                tc._evict_host_leaf(x, tracker, device_frees, host_frees, cache_actions=cache_actions)
+                continue
+            self._tombstone(x, EvictLayer.HOST, tracker, device_frees, host_frees, cache_actions)
+            tc._update_evictable_leaf_sets(x)
+        self.cache.maybe_check_invariants("host state eviction")
 
 
 class SparseFullComponent(FullComponent):
@@ -661,7 +713,8 @@ class SparseRadixCache(UnifiedRadixCache):
             f"{d['ckpt_probation']}/{d['ckpt_spare']}/{d['ckpt_rejected']}/{d['ckpt_final']} "
             f"probation hits={d['probation_hits']} states held={d['states_held']}/{d['mamba_pool_size']} "
             f"kv held={d['kv_tokens_held']} bytes={d['bytes_held']} "
-            f"evicted states={d['states_evicted']} kv leaves={d['kv_leaves_evicted']}"
+            f"evicted states={d['states_evicted']} kv leaves={d['kv_leaves_evicted']} "
+            f"tail prior hit rate={d['tail_hit_rate']:.2f}"
             + (f" MIRROR ERRORS={d['mirror_errors']}" if d["mirror_errors"] else "")
         )
 

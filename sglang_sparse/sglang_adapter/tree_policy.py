@@ -73,6 +73,7 @@ class RequestPlan:
     engine_kv: int = 0
     probation: frozenset[int] = frozenset()  # the positions kept on probation (evicted first)
     exact_finish: bool = False  # keep the finish state at the end of its key (see wants_exact_finish)
+    tail: frozenset[int] = frozenset()  # the positions the tail prior placed (outcomes followed)
 
 
 @dataclass
@@ -108,6 +109,7 @@ class PolicyStats:
     kv_eviction_walks: int = 0
     #: states SGLang evicted that the policy offered no score for (SGLang LRU fallback)
     unscored_evictions: int = 0
+    host_state_drops: int = 0  # HiCache: host-only states dropped in the policy's order
     #: engine events that did not fit the mirror (must stay 0; each one is logged)
     mirror_errors: int = 0
     alpha_tunes: list[tuple[int, float]] = field(default_factory=list)
@@ -208,6 +210,8 @@ class TreePolicy:
         self._probation_next = 0
         #: the request whose plan admitted the next state SGLang attaches (None: a spare or no plan)
         self._owner_next: str | None = None
+        #: whether the next state SGLang attaches is one the tail prior placed (its outcome followed)
+        self._tail_next = False
         #: rid -> SGLang node ids of the states its plan stored (while the request runs)
         self._own: dict[str, set[int]] = {}
         #: state handles an eviction walk skips (:meth:`protecting`)
@@ -243,6 +247,7 @@ class TreePolicy:
     def on_leaf_removed(self, node_id: int) -> None:
         self.stats.kv_leaves_evicted += 1
         self.cache.probation.pop(node_id, None)
+        self.cache.state_freed(node_id)
         self._guard("remove", self.mirror.remove_leaf, node_id)
 
     def on_state_set(self, node_id: int) -> None:
@@ -250,10 +255,13 @@ class TreePolicy:
             self.stats.states_inserted += 1
             if self._probation_next:
                 self.cache.probation[node_id] = self._probation_next
+            if self._tail_next:
+                self.cache.tail_states[node_id] = None
             if self._owner_next is not None:
                 self._own.setdefault(self._owner_next, set()).add(node_id)
         self._probation_next = 0
         self._owner_next = None
+        self._tail_next = False
 
     def on_state_restored(self, node_id: int) -> None:
         """SGLang holds a state at ``node_id`` that reached it through a HiCache transfer (a load
@@ -267,6 +275,7 @@ class TreePolicy:
 
     def on_state_freed(self, node_id: int) -> None:
         self.cache.probation.pop(node_id, None)
+        self.cache.state_freed(node_id)
         if self.mirror.drop_state(node_id):
             self.stats.states_evicted += 1
 
@@ -333,7 +342,7 @@ class TreePolicy:
         planned_past = any(q not in cp.probation for q in past)
         warm = self.cache.tail.observations >= TAIL_WARMUP
         exact = bool(past) and (extends_leaf(m) or (planned_past and warm))
-        p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv), cp.probation, exact)
+        p = RequestPlan(n, positions, cuts, int(engine_prefix), int(engine_kv), cp.probation, exact, cp.tail)
         self._plans[rid] = p
         if len(self._plans) > _MAX_PLANS:
             self._own.pop(self._plans.popitem(last=False)[0], None)
@@ -403,6 +412,7 @@ class TreePolicy:
           states a request keeps beyond them do not depend on the chunk size."""
         self._probation_next = 0
         self._owner_next = None
+        self._tail_next = False
         p = self._plans.get(rid)
         if p is None:
             self.stats.ckpt_final += int(finished)
@@ -414,6 +424,7 @@ class TreePolicy:
             # there, at its real depth inside the prompt.
             self._owner_next = rid
             self.stats.ckpt_final += int(finished)
+            self._tail_next = position in p.tail
             if position in p.probation:
                 self._probation_next = PROBATION
                 self.stats.ckpt_probation += 1
@@ -442,6 +453,7 @@ class TreePolicy:
         """The engine finished one checkpoint (whether or not a state was attached)."""
         self._probation_next = 0
         self._owner_next = None
+        self._tail_next = False
 
     def own_states(self, rids: Iterable[str]) -> frozenset[int]:
         """SGLang node ids of the states the plans of ``rids`` stored while they run (planned and
@@ -703,6 +715,9 @@ class TreePolicy:
             policy_nodes=tree.num_nodes,
             pending_plans=len(self._plans),
             tuning_pending=self._pending_tune is not None,
+            tail_hit_rate=self.cache.tail.hit_rate,
+            tail_observations=self.cache.tail.observations,
+            tail_states_open=len(self.cache.tail_states),
         )
         return out
 

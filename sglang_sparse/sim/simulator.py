@@ -230,7 +230,7 @@ def _serve(
     plan = cache.plan(m, len(inp), len(full))
     cache.lock(m.node)
     handles = {p: next(ids) for p in plan.positions}
-    res = cache.insert(full, None, handles, probation=plan.probation)
+    res = cache.insert(full, None, handles, probation=plan.probation, tail=plan.tail)
     cache.unlock(m.node)
     freed = cache.evict_to_budget()
     if observer is not None:

@@ -214,14 +214,16 @@ def test_nothing_leaked_at_idle(hicache: dict[str, Any]) -> None:
     assert f["policy_states"] == 0 and f["mirror_errors"] == 0, f
 
 
-def _sparse_eb_hicache(model_dir: Path, kv_tokens: int, slots: int, context: int = 2048) -> SGLangServer:
+def _sparse_eb_hicache(
+    model_dir: Path, kv_tokens: int, slots: int, context: int = 2048, hicache: list[str] = HICACHE
+) -> SGLangServer:
     base, env = strategy_setup("extra_buffer")
     return _start(
         SGLangServer(
             model_dir,
             base_args=base,
             env={**env, **CHECK_ENV},
-            extra_args=[*SPARSE, *HICACHE, *WB, "--page-size", "16", "--chunked-prefill-size", "256"],
+            extra_args=[*SPARSE, *hicache, *WB, "--page-size", "16", "--chunked-prefill-size", "256"],
             context_length=context,
             max_total_tokens=kv_tokens,
             max_mamba_cache_size=slots,
@@ -269,6 +271,37 @@ def test_sparse_hicache_storm_with_aborts(model_dir: Path) -> None:
     finally:
         ref.stop()
     assert done == want
+
+
+def test_sparse_hicache_host_pool_short_drops_in_the_policys_order(model_dir: Path) -> None:
+    """A host tier twice the device (8 device, ~16 host state slots) under 10 documents asked 6
+    questions each in turn: every request plans a few first-sight states, so the host's state pool
+    runs short and drops host-only states in the policy's order (``drive_host_eviction``), every one
+    a state the policy scores; greedy tokens equal no cache, nothing leaks in either pool, and the
+    documents' states survive the guesses: most later questions resume inside their document."""
+    docs = [toks(150, 500 + d) for d in range(10)]
+    prompts = [docs[i % 10] + toks(20, 900 + i) for i in range(60)]
+    hicache = ["--enable-hierarchical-cache", "--hicache-ratio", "2"]
+    srv = _sparse_eb_hicache(model_dir, kv_tokens=1024, slots=8, hicache=hicache)
+    try:
+        got = [srv.generate(p, NEW) for p in prompts]
+        assert srv.alive(), srv.log_tail()
+        s = _assert_idle_clean(srv)
+    finally:
+        srv.stop()
+    print({k: s[k] for k in ("host_state_drops", "unscored_evictions", "states_host_only", "states_held")})
+    assert s["host_state_drops"] > 0, s
+    assert s["unscored_evictions"] == 0, s
+    assert sum(r.cached_tokens >= 128 for r in got[10:]) >= 40, [r.cached_tokens for r in got]
+    base, env = strategy_setup("no_buffer")
+    ref = _start(
+        SGLangServer(model_dir, base_args=base, env=env, extra_args=["--disable-radix-cache"], **SIZING)
+    )
+    try:
+        want = [ref.generate(p, NEW).output_ids for p in prompts]
+    finally:
+        ref.stop()
+    assert [r.output_ids for r in got] == want
 
 
 def test_sparse_hicache_interleaved_300_turn_sessions(model_dir: Path) -> None:
