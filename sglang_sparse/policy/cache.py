@@ -476,15 +476,14 @@ class HybridCache:
     def forget(self, freed: Freed) -> Freed:
         """Drop freed state handles from the probation set and resolve the tail prior's among them
         (freed unused); returns ``freed``."""
-        if freed.states:
-            for h in freed.states:
-                self.probation.pop(h, None)
-                self.state_freed(h)
+        for h in freed.states:
+            self.state_freed(h)
         return freed
 
     def state_freed(self, handle: Any) -> None:
-        """The state ``handle`` is gone: if the tail prior placed it and no request resumed from
-        it, that is a miss."""
+        """The state ``handle`` is gone: it leaves the probation set, and if the tail prior placed it
+        and no request resumed from it, that is a miss."""
+        self.probation.pop(handle, None)
         if handle in self.tail_states:
             del self.tail_states[handle]
             self.tail.observe_outcome(False)

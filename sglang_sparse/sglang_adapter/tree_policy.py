@@ -109,7 +109,8 @@ class PolicyStats:
     kv_eviction_walks: int = 0
     #: states SGLang evicted that the policy offered no score for (SGLang LRU fallback)
     unscored_evictions: int = 0
-    host_state_drops: int = 0  # HiCache: host-only states dropped in the policy's order
+    #: HiCache: host-only states dropped in the policy's order (``drive_host_eviction``)
+    host_state_drops: int = 0
     #: engine events that did not fit the mirror (must stay 0; each one is logged)
     mirror_errors: int = 0
     alpha_tunes: list[tuple[int, float]] = field(default_factory=list)
@@ -246,7 +247,6 @@ class TreePolicy:
 
     def on_leaf_removed(self, node_id: int) -> None:
         self.stats.kv_leaves_evicted += 1
-        self.cache.probation.pop(node_id, None)
         self.cache.state_freed(node_id)
         self._guard("remove", self.mirror.remove_leaf, node_id)
 
@@ -259,6 +259,10 @@ class TreePolicy:
                 self.cache.tail_states[node_id] = None
             if self._owner_next is not None:
                 self._own.setdefault(self._owner_next, set()).add(node_id)
+        self._clear_next()
+
+    def _clear_next(self) -> None:
+        """Forget what :meth:`admit` said about the next state SGLang attaches."""
         self._probation_next = 0
         self._owner_next = None
         self._tail_next = False
@@ -274,7 +278,6 @@ class TreePolicy:
             self.stats.states_restored += 1
 
     def on_state_freed(self, node_id: int) -> None:
-        self.cache.probation.pop(node_id, None)
         self.cache.state_freed(node_id)
         if self.mirror.drop_state(node_id):
             self.stats.states_evicted += 1
@@ -410,9 +413,7 @@ class TreePolicy:
           this one is allocated) or an older spare state's; else rejected. So however many chunk
           ends the chunk size makes, they never displace a planned or first-sight state, and the
           states a request keeps beyond them do not depend on the chunk size."""
-        self._probation_next = 0
-        self._owner_next = None
-        self._tail_next = False
+        self._clear_next()
         p = self._plans.get(rid)
         if p is None:
             self.stats.ckpt_final += int(finished)
@@ -451,9 +452,7 @@ class TreePolicy:
 
     def end_checkpoint(self) -> None:
         """The engine finished one checkpoint (whether or not a state was attached)."""
-        self._probation_next = 0
-        self._owner_next = None
-        self._tail_next = False
+        self._clear_next()
 
     def own_states(self, rids: Iterable[str]) -> frozenset[int]:
         """SGLang node ids of the states the plans of ``rids`` stored while they run (planned and
