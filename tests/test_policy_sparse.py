@@ -278,3 +278,19 @@ def test_tail_positions_go_on_probation_while_the_priors_states_go_unused() -> N
     serve(np.concatenate([doc, rng.integers(0, 99, 60).astype(np.int32)]))
     assert h not in c.probation and h not in c.tail_states
     assert c.tail.hit_rate > before
+
+
+def test_untrusted_tail_positions_do_not_bring_back_what_the_fit_state_displaced() -> None:
+    """A sequence longer than the cache can hold next to one state gets a fit state; the tail
+    prior's positions below it give way. When the prior is not trusted its positions go on
+    probation, but only those still planned: a displaced one does not come back as a guess."""
+    c = HybridCache("sparse", budget_bytes=10**12, cost=COST, tail_grid=1, fit_tokens=600)
+    c.tail = TailPrior(exact_grid=1, min_hit_rate=0.9)
+    for _ in range(4):
+        c.tail.observe_suffix(400)  # predicted divergence at 955 - 400 = 555, below the fit (600)
+    c.tail.observe_outcome(False)
+    assert not c.tail.trusted()
+    tokens = np.arange(1000, 1955, dtype=np.int32)
+    plan = c.plan(c.match(tokens), len(tokens), len(tokens))
+    assert 576 in plan.positions  # the fit state
+    assert 555 not in plan.positions and not plan.tail

@@ -415,7 +415,7 @@ class HybridCache:
                 # The prior's states have not been serving requests (a stream whose new leaves are
                 # almost never revisited while their states are held): its positions become
                 # first-sight guesses, evicted before every used state.
-                probation.update(from_tail)
+                probation.update(from_tail.intersection(pos))  # not what the fit state displaced
             pos = sorted(set(pos) | probation)
         if self.min_cut_gain > 0:
             kept, prev = [], match.resume_depth
