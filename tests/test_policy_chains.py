@@ -93,8 +93,47 @@ def test_superseded_states_go_before_the_newest_turn() -> None:
     rows = {(sc.kind, sc.node.end, sc.pos): sc.score for sc in c.evictor.scores()}
     older = rows[(CKPT, 8, 8)]
     newest = rows[(CKPT, 16, 16)]
-    assert older < newest and rows[(LEAF, 16, -1)] == newest  # set back 2 tau (40 ticks) / tau
-    assert newest - older == POLICIES["sparse"].eviction.superseded_demotion / 20.0
+    assert older < newest and rows[(LEAF, 16, -1)] == newest
+    # The newest turn ranks by the session's due tick (last arrival 3 + mean gap 1 = 4 = now:
+    # w = 2, recency 2); the older one by its own last use (resumed at tick 3), set back 2 tau
+    # (40 ticks); scores in units of tau (20 ticks).
+    demote = POLICIES["sparse"].eviction.superseded_demotion
+    assert newest - older == (2 - (3 - demote)) / 20.0
+
+
+def test_a_late_session_outranks_live_sessions_old_superseded_states() -> None:
+    """A superseded state ranks by its own last use, not by its session's due tick (issue 22: agent
+    with a host tier, the logical cache 1.5x the KV footprint). Session A takes three quick turns
+    and goes quiet; session B, whose first six turns came before A's, keeps taking turns, each
+    leaving its previous turn's state superseded; states weigh 40 KV tokens each. When A comes back
+    22 of B's turns later (11 requests' worth of its mean gap overdue), A's newest state must still
+    be there: B's states from turns A has outlived are older than it. Ranking every superseded
+    state at its session's due tick minus 2 tau (the old code) made all of live B's old turns
+    newer than late A's tip, which went first (A resumed at 0, not 20)."""
+    spec = PolicySpec("t", "sparse", POLICIES["sparse"].eviction, flop_aware=True)
+    c = HybridCache(spec, budget_bytes=460, cost=COST, kv_bytes_per_token=1, state_bytes=40, grid=GRID)
+
+    def turn(seq: list[int]) -> int:
+        m = c.match(seq)
+        c.observe(m)
+        c.insert(seq, None, {len(seq): f"s{len(seq)}-{c.tree.clock}"})
+        c.evict_to_budget()
+        return m.resume_depth
+
+    b = [2] * 8
+    for k in range(6):
+        b = b + [100 + k] * 4
+        turn(b)
+    a = [1] * 8
+    for k in range(3):
+        a = a + [200 + k] * 4
+        assert turn(a) == len(a) - 4 or k == 0
+    for k in range(22):
+        b = b + [300 + k] * 4
+        assert turn(b) == len(b) - 4  # B's newest state always stays
+    held_b = sorted(p for _, p, _ in c.tree.iter_checkpoints() if p > 20)  # deeper than A: B's
+    assert held_b[-1] == len(b) and held_b == list(range(len(b) - 4 * (len(held_b) - 1), len(b) + 1, 4))
+    assert turn(a + [9] * 4) == len(a) == 20
 
 
 def test_collect_drops_chains_without_nodes_and_copies_keep_everything() -> None:

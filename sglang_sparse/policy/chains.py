@@ -38,8 +38,8 @@ it (:attr:`ChainTracker.continuation_share`, EW). The share ignores requests tha
 so a thrashing cache does not switch its own prior off.
 
 Use (:mod:`.eviction`, ``EvictionConfig.chain_recency``): a candidate on a chain is scored by how
-soon its session is due back, superseded states of older turns are set back. What the sessions
-know in the simulator and on an engine mirror is the same: the test
+soon its session is due back; superseded states of older turns keep their own recency, set back.
+What the sessions know in the simulator and on an engine mirror is the same: the test
 ``tests/test_tree_mirror_sessions.py`` checks equal chains and arrival statistics.
 
 Cost: :meth:`~ChainTracker.arrive` O(1), :meth:`~ChainTracker.end_sequence` O(:data:`MAX_WALK`),

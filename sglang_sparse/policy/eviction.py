@@ -34,12 +34,20 @@ slowest sessions go first and sessions that stopped coming back age out; a seque
 chain holds (a first turn, or a session whose chain was evicted) is predicted back after the
 tracker's prior gap (the mean of all sessions' gaps) while most requests reaching a leaf continue
 it. A *superseded* chain state (a state of an older turn: on a node whose only child continues its
-chain, or above a deeper state on its node) is set back ``superseded_demotion`` ticks more: it is
-only a fallback for when the session's newest state is evicted. Measured on the agent trace (token
-hit rate at 5 / 10 / 20 / 30 / 50% of the footprint, alpha tuned): 0.102 / 0.241 / 0.576 / 0.741 /
-0.932, against 0.093 / 0.235 / 0.506 / 0.617 / 0.857 with the candidates' own clocks (sglang_native
-0.035 / 0.135 / 0.418 / 0.617 / 0.857; offline, future known, 0.239 / 0.398 / 0.693 / 0.835 /
-0.939); no chain forms on the other three traces, whose decisions are unchanged.
+chain, or above a deeper state on its node) is not what the session's return resumes from, so it
+keeps its own clock (its last use as a resume point), set back ``superseded_demotion`` ticks: it
+is only a fallback for when the session's newest state is evicted, or for a request that resumes
+there (a fork from that turn, a fit state below a tip the device cannot hold). Ranking it at its
+session's due tick instead (set back the same) tied every old turn of a live session to that
+session's next return: with the logical cache of a host tier 1.5x agent's KV footprint, 60-odd old
+turns of six live sessions outranked the newest state of a session 24 requests late, which went
+first (issue 22; agent 0.944 vs native HiCache's 0.948). Measured on the agent trace (token
+hit rate at 5 / 10 / 20 / 30 / 50% of the footprint, alpha tuned): 0.104 / 0.241 / 0.586 / 0.743 /
+0.932 (0.576 / 0.741 at 20 / 30% with the due tick for superseded states), against 0.093 / 0.235
+/ 0.506 / 0.617 / 0.857 with the candidates' own clocks (sglang_native 0.035 / 0.135 / 0.418 /
+0.617 / 0.857; offline, future known, 0.239 / 0.398 / 0.693 / 0.835 / 0.939); no chain forms on
+the other three traces at these sizes, whose decisions are unchanged (with a host tier, a logical
+cache several times larger, a few form on doc_qa).
 
 Efficiency is FLOPs saved per byte:
 

@@ -179,12 +179,18 @@ def effective_recency(
     chain. On a chain the session's predicted return stands in for the recency: with ``w = due -
     now`` ticks to wait (``2 - w`` once the session is overdue, ``w < 1``: it ages one tick per tick
     overdue), ``now - w``: the recency of an item whose age equals the predicted wait, so a session
-    due soon ranks as just used and the slowest sessions go first. A superseded state is set back
-    ``demote`` ticks more. Float operations in this order (:meth:`CandidateIndex.effective_recency`
-    repeats them)."""
+    due soon ranks as just used and the slowest sessions go first.
+
+    A superseded state (an older turn's, ``sup``; only on a chain) is not what the session's return
+    resumes from (its newest state is), so the due tick says nothing about its use: it keeps its own
+    ``rec`` (its last use as a resume point: a fork from that turn, or a fit state the session
+    resumes from below a tip the device cannot hold), set back ``demote`` ticks. Float operations in
+    this order (:meth:`CandidateIndex.effective_recency` repeats them)."""
     if clock is None:
         return rec
     now, demote, prior = clock
+    if sup:
+        return rec - demote
     if due is None:
         if not prov or prior is None:
             return rec
@@ -192,10 +198,7 @@ def effective_recency(
     w = due - now
     if not w >= 1.0:
         w = 2.0 - w
-    r = now - w
-    if sup:
-        r = r - demote
-    return r
+    return now - w
 
 
 _LN2 = 0.6931471805599453
@@ -678,8 +681,9 @@ class CandidateIndex:
         w = np.subtract(due, now, out=self._wait[:n])
         np.subtract(2.0, w, out=w, where=w < 1.0)
         r = np.subtract(now, w, out=w)
-        if demote:
-            np.subtract(r, demote, out=r, where=self.sup[:n])
+        sup = self.sup[:n]
+        if sup.any():  # superseded (on a chain): its own recency, set back
+            np.subtract(rec, demote, out=r, where=sup)
         eff = self._eff[:n]
         np.copyto(eff, rec)
         np.copyto(eff, r, where=chn)

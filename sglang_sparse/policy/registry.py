@@ -24,7 +24,8 @@ sparse         DP plan on the path + Marconi branch   per component (leaves whol
                                                       from their end): recency = now - predicted
                                                       wait for the session's return (its mean gap;
                                                       overdue ones age out), superseded states
-                                                      (older turns) set back 2 tau
+                                                      (older turns): their own recency set
+                                                      back 2 tau
 sparse_law     DP plan + Marconi                      recency + alpha * law-weighted FLOPs/byte,
                                                       thins interior checkpoints (experimental)
 oracle         as sparse, per-edge law = the whole    as sparse (simulator only: needs a law
@@ -86,9 +87,13 @@ _MARCONI_EVICT = EvictionConfig(node_states=True, ckpt_scope="none", ckpt_recenc
 #: at match and at insert: 20 ticks = 10 requests)
 SPARSE_RECENCY_SCALE = 20.0
 #: ticks a superseded state of an online session is set back (see :mod:`.chains`): two recency
-#: scales. Measured on agent (token hit rate at 20 / 30 / 50% of the footprint, alpha tuned): 0
-#: ticks 0.433 / 0.632 / 0.750, 10: 0.519 / 0.725 / 0.852, 20: 0.531 / 0.706 / 0.918, 40: 0.576 /
-#: 0.741 / 0.932, 1000 (in effect: right after probation) the same as 40.
+#: scales. Measured on agent (token hit rate at 20 / 30 / 50% of the footprint, alpha tuned) when a
+#: superseded state ranked at its session's due tick minus this: 0 ticks 0.433 / 0.632 / 0.750, 10:
+#: 0.519 / 0.725 / 0.852, 20: 0.531 / 0.706 / 0.918, 40: 0.576 / 0.741 / 0.932, 1000 (in effect:
+#: right after probation) the same as 40. Since it ranks at its own last use minus this (issue 22):
+#: 0 ticks 0.498 / 0.646 / 0.886, 20: 0.567 / 0.743 / 0.928, 40: 0.586 / 0.743 / 0.932, 80 the same
+#: as 40 (with a host tier, agent's 10 points of sim_compare_host.json: 80 higher at 3 of them, by
+#: up to 0.009, lower at one, by 0.005; not retuned).
 SPARSE_SUPERSEDED_DEMOTION = 2 * SPARSE_RECENCY_SCALE
 _SPARSE_EVICT = EvictionConfig(
     node_states=False,
