@@ -34,8 +34,11 @@ Data flow (one scheduler step, no overlap schedule, page size 1 -- both required
 Invariants:
 
 * every pending slot is either published into the tree or returned to the allocator: at the
-  next checkpoint, at ``on_release`` (finish, abort, retraction), at ``reset`` (flush); so at idle
-  every Mamba slot is free or held by the tree (SGLang's idle checker holds);
+  next checkpoint, at ``on_release`` (finish, abort, retraction), at ``reset`` (flush), or when
+  one of SGLang's own allocations finds the pool short after its eviction
+  (:meth:`CaptureRadixCache.evict_for_alloc`: SGLang budgets the pool per running request and
+  does not count capture slots); so at idle every Mamba slot is free or held by the tree
+  (SGLang's idle checker holds);
 * a slot is published only if *every* GDN layer wrote both its conv and SSM state in the forward
   (``CapturePlan.complete``); otherwise it is freed (``capture_incomplete``), never published with
   a stale state;
@@ -90,6 +93,18 @@ class CapturePlan:
     def complete(self) -> bool:
         return len(self.conv_layers) == len(self.ssm_layers) == self.n_layers
 
+    @property
+    def started(self) -> bool:
+        """Its forward has begun (a GDN layer wrote, or the kernels' index tensors exist)."""
+        return bool(self.conv_layers or self.ssm_layers) or self._csr is not None
+
+    def remove(self, slot: int) -> None:
+        """Take ``slot``'s capture out of a plan whose forward has not begun (its kernels will not
+        write the slot, which goes back to the allocator)."""
+        assert not self.started, "a started plan's slots are written by its forward"
+        j = self.slots.index(int(slot))
+        del self.rows[j], self.offsets[j], self.slots[j]
+
     def csr(self, n_seq: int, translate: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(cu [n_seq + 1], offsets [P], physical slots [P])`` int64 CPU tensors (built once)."""
         if self._csr is None:
@@ -142,6 +157,7 @@ class CaptureRadixCache(SparseRadixCache):
             "captures_rejected": 0,  # admission said no at publish time
             "captures_freed": 0,  # freed unpublished (abort, retraction, flush, not reached)
             "captures_incomplete": 0,  # freed: not every layer wrote the slot
+            "captures_reclaimed": 0,  # freed unpublished: SGLang's own allocation needed the slot
             "capture_forwards": 0,  # forwards that carried a plan
         }
         super().__init__(params, **kwargs)
@@ -231,6 +247,63 @@ class CaptureRadixCache(SparseRadixCache):
         for e in self._capture_pending.pop(rid, ()):
             self._free_slot(e.slot)
             self.capture_stats[key] += 1
+
+    # ------------------------------------------------------------------ reclaim
+
+    def evict_for_alloc(self, params, **kwargs):
+        """SGLang's eviction for one of its own allocations (a request's working and ping-pong
+        slots in ``alloc_req_slots``, a checkpoint's donated slot, a HiCache load-back), then, if
+        the state pool is still short of what it asked for, the pending capture slots
+        (:meth:`reclaim_capture_slots`).
+
+        SGLang sizes the state pool per request (``--max-running-requests`` is capped at the pool
+        over the slots one request may need: its working state, its ping-pong track slots, the
+        tree state it locks and a checkpoint's) and allocates without an admission check: a slot
+        held neither by a request nor by a locked tree node must be free or evictable. A pending
+        capture slot is neither, and it outlives its step: it is published at the request's next
+        checkpoint, i.e. when the scheduler processes its batch's result, after the next batch was
+        prepared and allocated (overlap schedule). Unreclaimable, the captures reserved in one
+        step ran ``alloc_req_slots`` out of ping-pong slots in the next ("Not enough space for
+        mamba ping pong idx"). A capture is an optional copy of a state: SGLang's allocations
+        come first."""
+        want = int(getattr(params, "mamba_num", 0) or 0)
+        alloc = self.req_to_token_pool.mamba_allocator
+        target = int(alloc.schedulable_available_size()) + want
+        result = super().evict_for_alloc(params, **kwargs)
+        if want > 0:
+            short = target - int(alloc.schedulable_available_size())
+            if short > 0:
+                self.reclaim_capture_slots(short)
+        return result
+
+    def reclaim_capture_slots(self, n: int) -> int:
+        """Free up to ``n`` pending capture slots, the deepest positions first (ties in reservation
+        order; the shallow ones serve the most later requests, as in :meth:`build_capture_plan`'s
+        drop), and return how many. A slot whose forward ran is freed; one whose forward has not
+        begun also leaves its plan (the kernels will not write it). Deterministic: a function of
+        the pending captures, the same on every TP rank."""
+        if n <= 0 or not self._capture_pending:
+            return 0
+        pending = [(rid, e) for rid, es in self._capture_pending.items() for e in es]
+        # A plan that started and did not complete is left to the checkpoint, which frees it.
+        order = sorted(
+            (i for i, (_, e) in enumerate(pending) if e.plan.complete or not e.plan.started),
+            key=lambda i: (-pending[i][1].position, i),
+        )
+        freed = 0
+        for i in order[:n]:
+            rid, e = pending[i]
+            rest = [x for x in self._capture_pending[rid] if x is not e]
+            if rest:
+                self._capture_pending[rid] = rest
+            else:
+                del self._capture_pending[rid]
+            if not e.plan.started:
+                e.plan.remove(int(e.slot[0]))
+            self._free_slot(e.slot)
+            self.capture_stats["captures_reclaimed"] += 1
+            freed += 1
+        return freed
 
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
         # Insert in increasing depth: captures below the state SGLang offers now, that state (the
@@ -358,6 +431,8 @@ def _prepare_for_extend_hook(result, self, *args, **kwargs):
 
 def _init_new_hook(result, cls, batch, *args, **kwargs):
     plan = batch.__dict__.pop("sparse_capture", None) if hasattr(batch, "__dict__") else None
+    if plan is not None and not plan.slots:  # every capture reclaimed before its forward
+        plan = None
     _set_forward_plan(plan)
     if plan is not None:
         cache = getattr(batch, "tree_cache", None)
@@ -372,6 +447,7 @@ def _convolve_prefill_hook(original, self, layer, forward_batch, mixed_qkv, conv
     mode = forward_batch.forward_mode
     if (
         plan is not None
+        and plan.slots
         and (mode.is_extend() or mode.is_mixed())
         and not mode.is_target_verify()
         and getattr(self, "mis_metadata", None) is None

@@ -180,11 +180,6 @@ def launcher_problems(server_args: Any) -> list[str]:
         problems += _grid_option_problems(config, int(page))
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
-    hicache = getattr(server_args, "enable_hierarchical_cache", False)
-    wp = getattr(server_args, "hicache_write_policy", None)
-    if config is not None and config.capture == "forward" and _forward_capture_unsafe(hicache, wp):
-        if _capture_explicit():
-            problems.append(_FORWARD_WRITE_BACK)
     return problems
 
 
@@ -317,22 +312,6 @@ def gather_rank_stats(stats: dict, group: Any) -> list[dict]:
     out: list[Any] = [None] * dist.get_world_size(group=group)
     dist.all_gather_object(out, stats, group=group)
     return out
-
-
-#: in-forward capture with HiCache other than write-through: the state pool runs dry under load
-_FORWARD_WRITE_BACK = (
-    "SGLANG_SPARSE_CAPTURE=forward with HiCache --hicache-write-policy other than write_through is not "
-    "supported: under a request storm the state pool runs out of ping-pong slots (a device state the "
-    "walk evicts waits for its host backup before its slot is free); use write_through (SGLang's "
-    "default) or SGLANG_SPARSE_CAPTURE=cut"
-)
-
-
-def _forward_capture_unsafe(hicache: bool, write_policy: str | None) -> bool:
-    """Whether in-forward capture is unsafe: HiCache on with a ``write_policy`` other than
-    write-through (measured: a 500-request storm with aborts crashed with write-back, not with
-    write-through nor with ``capture=cut``). Launcher and factory ask the same question."""
-    return bool(hicache) and (write_policy or "write_through") != "write_through"
 
 
 def _capture_explicit() -> bool:
@@ -470,16 +449,6 @@ def sparse_cache_factory(ctx: Any):
                 )
             logger.warning("sparse cache: no in-forward capture kernel on this device; capture=cut")
             capture = "cut"
-    wp = getattr(ctx.server_args, "hicache_write_policy", None)
-    if capture == "forward" and _forward_capture_unsafe(ctx.enable_hierarchical_cache, wp):
-        if _capture_explicit():
-            raise SparseBackendError(f"--radix-cache-backend sparse: {_FORWARD_WRITE_BACK}")
-        logger.warning(
-            "sparse cache: HiCache %s: capture=cut (in-forward capture needs write_through here; "
-            "see docs/sparse_backend.md)",
-            wp,
-        )
-        capture = "cut"
     if capture == "forward":
         from .capture import CaptureMambaComponent, CaptureRadixCache, hooks_applied
 

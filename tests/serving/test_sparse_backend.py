@@ -312,11 +312,6 @@ def test_kv_pool_pressure_keeps_tokens_and_returns_every_slot(model_dir: Path) -
             ["--page-size", "16"],
             "SGLANG_SPARSE_BRANCH_GRID=8 must be a multiple of --page-size 16",
         ),
-        (
-            {"SGLANG_SPARSE_CAPTURE": "forward"},
-            ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"],
-            "SGLANG_SPARSE_CAPTURE=forward with HiCache --hicache-write-policy other than write_through",
-        ),
     ],
 )
 def test_misconfiguration_fails_at_start(model_dir: Path, env: dict, extra: list, message: str) -> None:

@@ -36,6 +36,16 @@ SPARSE = ["--radix-cache-backend", "sparse"]
 EXACT = {"SGLANG_SPARSE_MIN_CUT_GAIN": "0", "SGLANG_SPARSE_TAIL_GRID": "1"}
 
 
+#: what becomes of a reserved capture slot (their counts sum to ``captures_reserved`` at idle)
+CAPTURE_OUTCOMES = (
+    "captures_published",
+    "captures_rejected",
+    "captures_freed",
+    "captures_incomplete",
+    "captures_reclaimed",
+)
+
+
 def prefill_forwards(srv) -> int:
     """Prefill forwards the scheduler ran (one ``Prefill batch`` log line each)."""
     return Path(srv.log_path).read_text(errors="replace").count("Prefill batch")
@@ -154,9 +164,7 @@ def test_capture_slot_lifecycle_storm_with_aborts(model_dir: Path) -> None:
         assert s["captures_pending"] == 0, s
         assert s["mamba_protected"] == 0 and s["kv_protected"] == 0, s
         assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
-        assert s["captures_reserved"] == (
-            s["captures_published"] + s["captures_rejected"] + s["captures_freed"] + s["captures_incomplete"]
-        ), s
+        assert s["captures_reserved"] == sum(s[k] for k in CAPTURE_OUTCOMES), s
         assert_one_tree(s)
         # SGLang's idle invariant checker names leaked slots as ``leaked_mamba_pages={...}``.
         assert "leaked_mamba_pages={" not in Path(srv.log_path).read_text(errors="replace")
@@ -184,10 +192,14 @@ class _Alloc:
         self.free_n = free
 
     def free(self, slot) -> None:
-        self.freed += [int(x) for x in slot.reshape(-1).tolist()]
+        ids = [int(x) for x in slot.reshape(-1).tolist()]
+        self.freed += ids
+        self.free_n += len(ids)
 
     def available_size(self) -> int:
         return self.free_n
+
+    schedulable_available_size = available_size
 
 
 class _Policy:
@@ -209,27 +221,28 @@ def _bare_capture_cache(reject: set[int] = frozenset()):
     cache = object.__new__(CaptureRadixCache)
     cache._capture_pending = {}
     cache._capture_publishing = None
-    cache.capture_stats = dict.fromkeys(
-        ("captures_published", "captures_rejected", "captures_freed", "captures_incomplete"), 0
-    )
+    cache.capture_stats = dict.fromkeys(CAPTURE_OUTCOMES, 0)
     cache.req_to_token_pool = types.SimpleNamespace(mamba_allocator=_Alloc())
     cache.tree_core = types.SimpleNamespace(page_size=1)
     cache.policy = _Policy(set(reject))
     return cache
 
 
-def _pending(cache, rid: str, positions: list[int], slots: list[int], complete: bool = True):
+def _pending(cache, rid: str, positions: list[int], slots: list[int], complete: bool = True, plan=None):
+    """Pending captures of ``rid`` on ``plan`` (a new one by default: complete, or not started)."""
     import torch
 
     from sglang_sparse.sglang_adapter.capture import CapturePlan, _Pending
 
-    plan = CapturePlan(rows=[0] * len(slots), offsets=positions, slots=slots, n_layers=2)
-    if complete:
-        plan.conv_layers |= {0, 1}
-        plan.ssm_layers |= {0, 1}
-    cache._capture_pending[rid] = [
+    if plan is None:
+        plan = CapturePlan(rows=[0] * len(slots), offsets=list(positions), slots=list(slots), n_layers=2)
+        if complete:
+            plan.conv_layers |= {0, 1}
+            plan.ssm_layers |= {0, 1}
+    cache._capture_pending.setdefault(rid, []).extend(
         _Pending(p, torch.tensor([s]), plan) for p, s in zip(positions, slots, strict=True)
-    ]
+    )
+    return plan
 
 
 def test_publish_order_admission_and_frees_without_a_server() -> None:
@@ -297,3 +310,51 @@ def test_release_and_flush_free_pending_slots(monkeypatch: pytest.MonkeyPatch) -
     cache.reset()
     assert alloc.freed == [3, 4, 9] and calls == ["rel", "reset"]
     assert cache._capture_pending == {} and cache.capture_stats["captures_freed"] == 3
+
+
+def test_sglang_allocation_reclaims_pending_capture_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22: SGLang allocates a request's working and ping-pong slots (``alloc_req_slots``) with
+    no admission check, trusting that every slot no request or locked tree node holds is free or
+    evictable; pending capture slots are neither, and outlive their step. When SGLang's eviction
+    for an allocation leaves the pool short, the pending capture slots go: deepest first, a plan
+    whose forward has not begun loses the slot (its kernels will not write it), a started plan
+    that did not complete is left to its checkpoint; never more than the shortfall."""
+    import types
+
+    from sglang_sparse.sglang_adapter import capture, capture_state
+    from sglang_sparse.sglang_adapter.cache import SparseRadixCache
+    from sglang_sparse.sglang_adapter.capture import CapturePlan
+
+    tree_frees = [2, 0]  # what SGLang's own eviction frees, call by call
+
+    def sglang_evict(self, params, **kw):
+        self.req_to_token_pool.mamba_allocator.free_n += tree_frees.pop(0)
+
+    monkeypatch.setattr(SparseRadixCache, "evict_for_alloc", sglang_evict)
+    cache = _bare_capture_cache()
+    alloc = cache.req_to_token_pool.mamba_allocator
+    alloc.free_n = 1
+    _pending(cache, "a", [64, 192], [3, 4])  # a forward that ran: complete
+    unstarted = _pending(cache, "b", [128, 320], [7, 8], complete=False)  # its forward is next
+    started = CapturePlan(rows=[0], offsets=[256], slots=[9], n_layers=2)
+    started.conv_layers.add(0)  # began and did not complete: the checkpoint frees it
+    _pending(cache, "c", [256], [9], plan=started)
+
+    cache.evict_for_alloc(types.SimpleNamespace(mamba_num=2))  # the tree's eviction suffices
+    assert alloc.free_n == 3 and alloc.freed == [] and cache.capture_stats["captures_reclaimed"] == 0
+
+    alloc.free_n = 1
+    cache.evict_for_alloc(types.SimpleNamespace(mamba_num=3))  # the tree frees nothing: 3 short
+    assert alloc.freed == [8, 4, 7] and alloc.free_n == 4
+    assert cache.capture_stats["captures_reclaimed"] == 3
+    assert unstarted.slots == [] and unstarted.rows == [] and unstarted.offsets == []
+    assert {rid: [e.position for e in es] for rid, es in cache._capture_pending.items()} == {
+        "a": [64],
+        "c": [256],
+    }
+    # a plan left without captures runs as no plan
+    batch = types.SimpleNamespace(sparse_capture=unstarted)
+    capture._init_new_hook(None, None, batch)
+    assert capture_state.forward_plan() is None and not hasattr(batch, "sparse_capture")
+    assert cache.reclaim_capture_slots(5) == 1 and alloc.freed[-1] == 3  # "c" stays
+    assert list(cache._capture_pending) == ["c"]
