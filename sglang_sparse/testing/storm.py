@@ -14,6 +14,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+#: what becomes of a reserved in-forward capture slot (``CaptureRadixCache.capture_stats``; their
+#: counts sum to ``captures_reserved`` at idle)
+CAPTURE_OUTCOMES = (
+    "captures_published",
+    "captures_rejected",
+    "captures_freed",
+    "captures_incomplete",
+    "captures_reclaimed",
+)
+
 
 def storm_prompts(n: int, toks: Callable[[int, int], list[int]], heads: int = 8) -> list[list[int]]:
     """``n`` prompts: a prefix (200-449 tokens) of one of ``heads`` shared heads + 8-36 own tokens.

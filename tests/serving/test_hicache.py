@@ -46,7 +46,7 @@ import requests  # noqa: E402
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
 from sglang_sparse.testing.server import ServerError, SGLangServer, strategy_setup  # noqa: E402
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns  # noqa: E402
-from sglang_sparse.testing.storm import new_tokens, run_storm, storm_prompts  # noqa: E402
+from sglang_sparse.testing.storm import CAPTURE_OUTCOMES, new_tokens, run_storm, storm_prompts  # noqa: E402
 
 VOCAB = 4096
 NEW = 8
@@ -213,16 +213,6 @@ def test_nothing_leaked_at_idle(hicache: dict[str, Any]) -> None:
     f = hicache["flushed"]
     assert f["kv_available"] == f["kv_pool_size"] and f["mamba_available"] == f["mamba_pool_size"], f
     assert f["policy_states"] == 0 and f["mirror_errors"] == 0, f
-
-
-#: what becomes of a reserved capture slot (their counts sum to ``captures_reserved`` at idle)
-CAPTURE_OUTCOMES = (
-    "captures_published",
-    "captures_rejected",
-    "captures_freed",
-    "captures_incomplete",
-    "captures_reclaimed",
-)
 
 
 def _sparse_eb_hicache(

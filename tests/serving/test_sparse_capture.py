@@ -28,22 +28,14 @@ from test_sparse_backend import (  # sibling test module (pytest puts tests/serv
     workload,
 )
 
+from sglang_sparse.testing.storm import CAPTURE_OUTCOMES
+
 pytestmark = pytest.mark.serving
 
 SPARSE = ["--radix-cache-backend", "sparse"]
 #: the same plan on both paths: every planned position captured, and the tail prior's positions at
 #: the predicted depths (auto would put them there only with capture=forward, on the grid with cut)
 EXACT = {"SGLANG_SPARSE_MIN_CUT_GAIN": "0", "SGLANG_SPARSE_TAIL_GRID": "1"}
-
-
-#: what becomes of a reserved capture slot (their counts sum to ``captures_reserved`` at idle)
-CAPTURE_OUTCOMES = (
-    "captures_published",
-    "captures_rejected",
-    "captures_freed",
-    "captures_incomplete",
-    "captures_reclaimed",
-)
 
 
 def prefill_forwards(srv) -> int:
