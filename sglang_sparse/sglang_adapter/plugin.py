@@ -449,15 +449,20 @@ def sparse_cache_factory(ctx: Any):
                 )
             logger.warning("sparse cache: no in-forward capture kernel on this device; capture=cut")
             capture = "cut"
-    if capture == "forward" and ctx.enable_hierarchical_cache and not _capture_explicit():
-        # Both run (the storm test covers forward with write-back), but with HiCache the chunk cuts
-        # keep more on the measured slices (docs/sparse_backend.md, "Host tier"): forward capture
+    write_policy = getattr(ctx.server_args, "hicache_write_policy", None) or "write_through"
+    if capture == "forward" and ctx.enable_hierarchical_cache and write_policy != "write_through":
+        # Both run (the storm test covers forward with write-back), but with write-back the chunk
+        # cuts keep more on the measured slices (docs/sparse_backend.md, "Host tier"): forward
         # read doc_qa 17,786 / system_prompts 30,994 prefilled (native HiCache 21,492 / 29,918,
         # above it at some prefixes) against cut's 14,964 / 29,022; agent 7,930 vs cut's 9,262.
-        logger.info(
-            "sparse cache: HiCache on: capture=cut by default (SGLANG_SPARSE_CAPTURE=forward to override)"
-        )
-        capture = "cut"
+        # Write-through keeps the CPU default (not measured on the slices).
+        if not _capture_explicit():
+            logger.info(
+                "sparse cache: HiCache %s: capture=cut by default (SGLANG_SPARSE_CAPTURE=forward "
+                "to override)",
+                write_policy,
+            )
+            capture = "cut"
     if capture == "forward":
         from .capture import CaptureMambaComponent, CaptureRadixCache, hooks_applied
 

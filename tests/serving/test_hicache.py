@@ -183,6 +183,16 @@ def test_io_backend_resolved_for_the_cpu(hicache: dict[str, Any]) -> None:
     assert "resolved to direct" in hicache["log"]
 
 
+def test_capture_default_follows_the_write_policy(hicache: dict[str, Any]) -> None:
+    """The sparse backend's default capture with HiCache: ``cut`` under write-back (it keeps more
+    on the measured slices, docs/sparse_backend.md), the CPU default ``forward`` under write-through."""
+    if "sparse" not in (hicache["info"].get("radix_cache_backend") or ""):
+        pytest.skip("native SGLang: no capture mode")
+    want = "forward" if hicache["info"]["hicache_write_policy"] == "write_through" else "cut"
+    assert f"capture={want}" in hicache["log"], hicache["log"][-4000:]
+    assert hicache["idle"].get("capture_mode", "cut") == want, hicache["idle"]  # set by forward only
+
+
 def test_greedy_tokens_identical_to_no_cache(hicache: dict[str, Any], reference: dict[str, Any]) -> None:
     assert hicache["alive"], hicache["log"][-6000:]
     assert hicache["outputs"] == reference["outputs"]
