@@ -32,10 +32,16 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InsertResult
 from sglang.srt.mem_cache.unified_cache.components import ComponentType, EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
-from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import (
+    UnifiedTreeCore,
+    _InsertPhase,
+    _InsertWalkState,
+)
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from .decode_track import final_track_depth
@@ -102,6 +108,14 @@ class SparseTreeCore(UnifiedTreeCore):
     ``_remove_leaf_from_parent``; ``reset`` rebuilds the root. Those four are the events."""
 
     policy: TreePolicy | None = None
+    #: ``(node id, depth in tokens)``: the next insert's key is known to start with the tokens of
+    #: the path from the root to that node (set by :meth:`SparseRadixCache.checkpoint_into_tree`:
+    #: the request's locked node and its protected length; consumed by the next
+    #: :meth:`begin_insert`, whether it uses it or not)
+    insert_hint: tuple[Any, int] | None = None
+    #: inserts whose walk started from the hint / fell back to SGLang's walk from the root
+    hinted_inserts = 0
+    unhinted_inserts = 0
 
     def reset(self) -> None:
         super().reset()
@@ -127,6 +141,125 @@ class SparseTreeCore(UnifiedTreeCore):
         super()._remove_leaf_from_parent(node)
         if self.policy is not None:
             self.policy.on_leaf_removed(node.id)
+
+    # ---------------------------------------------------------------- insert from a known node
+
+    def begin_insert(self, params):
+        """SGLang's insert, its walk resumed at the hinted node (:attr:`insert_hint`) when the key
+        is known to continue that node's path: the steps over the path are replayed without
+        re-matching its tokens (see :meth:`_replay_known_path`), then SGLang's own walk continues.
+        Same tree, same LRU clocks, same actions as SGLang's walk from the root."""
+        hint, self.insert_hint = self.insert_hint, None
+        path = None if hint is None else self._known_path(hint, params)
+        if path is None:
+            self.unhinted_inserts += hint is not None
+            return super().begin_insert(params)
+        self.hinted_inserts += 1
+        return self._begin_insert_on(path, params)
+
+    def _known_path(self, hint: tuple[Any, int], params) -> list[Any] | None:
+        """The nodes from the root's child to the hinted node (parents first) if the walk may
+        resume there, else ``None`` (SGLang's walk runs). Resuming needs: no feature whose walk
+        steps emit actions on already-cached nodes (HiCache hit counts, external linker,
+        sessions, rotation bases, EAGLE bigrams); a live, non-evicted path whose edges add up to
+        exactly the hinted depth ``d``; ``d`` at most the key's page-aligned length and at most
+        ``prev_prefix_len`` (so the replayed nodes free no duplicate KV). The tokens are not
+        compared: the path holds the request's own first ``d`` tokens (it inserted or matched
+        them), checked only with ``SGLANG_SPARSE_CHECK_INVARIANTS``."""
+        node_id, depth = hint
+        if (
+            depth <= 0
+            or self.is_eagle
+            or self.enable_hicache
+            or self.enable_external_cache_linker
+            or self.enable_session_radix_cache
+            or params.rotation_base is not None
+            or depth > int(params.prev_prefix_len)
+            or depth > len(params.key) // self.page_size * self.page_size
+        ):
+            return None
+        node = self._node_arena.get(getattr(node_id, "id", node_id))
+        path: list[Any] = []
+        total = 0
+        while node is not None and node is not self.root_node:
+            if node.evicted:
+                return None
+            path.append(node)
+            total += len(node.key)
+            node = node.parent
+        if node is None or total != depth:
+            return None
+        path.reverse()
+        if self.policy is not None and self.policy.config.check_invariants:
+            tokens = params.key.token_ids
+            at = 0
+            for n in path:
+                edge = n.key.raw_token_ids()
+                if list(edge) != list(tokens[at : at + len(edge)]):
+                    logger.error("sparse cache: insert hint path differs from the key at %d", at)
+                    return None
+                at += len(edge)
+        return path
+
+    def _begin_insert_on(self, path: list[Any], params):
+        """``UnifiedTreeCore.begin_insert`` with the walk steps over ``path`` replayed
+        (:meth:`_replay_known_path`) instead of matched; the walk continues below its last node."""
+        key = params.key.page_aligned(self.page_size)
+        value = params.value
+        if value is not None:
+            value = value[: len(key)]
+        else:
+            value = torch.tensor(key.token_ids[: len(key)], dtype=torch.int64)
+        priority = params.priority
+        if priority is None:
+            priority = 0
+        self._touch_node(self.root_node)
+        self.root_node.priority = max(self.root_node.priority, priority)
+        state = _InsertWalkState(
+            phase=_InsertPhase.WALK,
+            node=self.root_node,
+            key=key,
+            value=value,
+            params=params,
+            priority=priority,
+            result=InsertResult(prefix_len=0, adopted_ranges={} if params.track_adopted_ranges else None),
+        )
+        self._replay_known_path(state, path)
+        self._ongoing_insert_walk_state = state
+        return self._advance_insert()
+
+    def _replay_known_path(self, state, path: list[Any]) -> None:
+        """What ``_insert_walk_step`` + ``_insert_overlap_step`` + ``_finish_insert_walk_node`` do on
+        a node whose whole edge the key matches, below ``prev_prefix_len`` and not evicted, for each
+        node of ``path`` in order: touch (LRU clock), priority, the components' overlap hooks
+        (their consumed index is ignored: nothing below ``prev_prefix_len`` is a duplicate to free),
+        the hit count of a node past ``inserted_len``; then the state points below the path (one
+        key slice instead of one per node)."""
+        params, result, actions = state.params, state.result, state.pending_actions
+        value, priority = state.value, state.priority
+        inserted = params.inserted_len
+        total = 0
+        for node in path:
+            self._touch_node(node)
+            n = len(node.key)
+            node.priority = max(node.priority, priority)
+            for component in self.components:
+                component.update_component_on_insert_overlap(
+                    node=node,
+                    prefix_len=n,
+                    total_prefix_len=total,
+                    value_slice=value[:n] if total == 0 else value[total : total + n],
+                    params=params,
+                    result=result,
+                    cache_actions=actions,
+                )
+            if total + n > inserted and self._inc_hit_count_and_check(node):
+                raise AssertionError("a hit-count backup without HiCache or an external linker")
+            total += n
+        state.node = path[-1]
+        state.total_prefix_length = total
+        state.key = state.key[total:]
+        state.value = value[total:]
 
     def insert_host(self, node_id, key, host_value, hash_value):
         """HiCache storage prefetch (L3 -> host): SGLang attaches the path's last edge itself
@@ -567,6 +700,20 @@ class SparseRadixCache(UnifiedRadixCache):
     #: extra_buffer: ``ScheduleBatch.prepare_for_decode`` keeps decode tracks only for the requests
     #: whose plan wants them (set by the backend factory; see :mod:`.decode_track`)
     decode_tracking = False
+
+    def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
+        """SGLang's checkpoint, its insert walk resumed at the request's locked node (the path of
+        its first ``cache_protected_len`` tokens; :meth:`SparseTreeCore.begin_insert`) rather than
+        re-matched from the root: a request checkpoints several times (chunk ends, planned
+        captures), each time below what it already holds."""
+        node = getattr(req, "last_node", None)
+        depth = int(req.kv.cache_protected_len or 0)
+        tc = self.tree_core
+        tc.insert_hint = (node, depth) if node is not None and depth > 0 else None
+        try:
+            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        finally:
+            tc.insert_hint = None
 
     def match_prefix(self, params):
         r = super().match_prefix(params)
