@@ -347,6 +347,51 @@ def _cost_model(ctx: Any):
     return ModelCostModel.from_hf_config(cfg)
 
 
+def engine_state_bytes(req_to_token_pool: Any) -> int | None:
+    """Bytes of one recurrent state (one Mamba pool slot, all recurrent layers of this rank) as
+    SGLang's device pool holds it: the conv and temporal tensors' row per slot, plus any side state
+    riding on the slot, the same sum as ``MambaPoolHost.get_size_per_token`` (``pool_host/mamba.py``).
+    So ``SGLANG_MAMBA_SSM_DTYPE`` / ``SGLANG_MAMBA_CONV_DTYPE`` and TP sharding are what the pool
+    allocated. ``None`` when the pool has no Mamba tensors to read (not a SGLang hybrid pool)."""
+    pool = getattr(req_to_token_pool, "mamba_pool", None)
+    if pool is None:
+        return None
+    extra: tuple = ()
+    infos = getattr(pool, "get_device_pool_infos", None)
+    if infos is not None:
+        info = infos()[0].buffer_info
+        temporal, conv, extra = info.temporal, tuple(info.conv), tuple(info.extra_checkpoint_buffers)
+    else:
+        cache = getattr(pool, "mamba_cache", None)
+        if cache is None:
+            return None
+        temporal, conv = cache.temporal, tuple(cache.conv)
+    # [layer, slot, ...]: one slot's row over every layer
+    per_slot = sum(t[:, 0].numel() * t.element_size() for t in (temporal, *conv))
+    per_slot += sum(t[0].numel() * t.element_size() for t in extra)  # [slot, ...]
+    return int(per_slot)
+
+
+def engine_kv_bytes_per_token(token_to_kv_pool_allocator: Any) -> int | None:
+    """KV-cache bytes of one token (every full-attention layer of this rank) as SGLang's KV pool
+    holds it: ``get_kv_size_bytes()`` (K + V) over the pool's rows (``size + page_size``, the padding page
+    included), so ``--kv-cache-dtype`` and TP sharding are the pool's. ``None`` when the allocator
+    has no such pool."""
+    get = getattr(token_to_kv_pool_allocator, "get_kvcache", None)
+    kv = get() if get is not None else None
+    full = getattr(kv, "full_kv_pool", kv)  # HybridLinearKVPool: the full-attention layers' pool
+    if full is None or not hasattr(full, "get_kv_size_bytes"):
+        return None
+    size = full.get_kv_size_bytes()  # (K bytes, V bytes) for MHA pools, one number for others
+    total = sum(int(x) for x in size) if isinstance(size, (tuple, list)) else int(size)
+    k = getattr(full, "k_buffer", None)
+    if isinstance(k, (list, tuple)) and k:
+        rows = int(k[0].shape[0])
+    else:
+        rows = int(full.size) + int(getattr(full, "page_size", 1) or 1)
+    return int(round(total / rows))
+
+
 def sparse_cache_factory(ctx: Any):
     """Backend factory (runs in the scheduler): validate, build the policy and the cache."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
@@ -418,8 +463,13 @@ def sparse_cache_factory(ctx: Any):
                 f"model cannot be built ({e}); set SGLANG_SPARSE_POLICY to a non-FLOP-aware policy"
             ) from None
         cost = None
-    kv_bytes = cost.kv_bytes_per_token if cost is not None else 1
-    state_bytes = cost.state_bytes if cost is not None else 1
+    # Bytes are SGLang's (its pools as allocated); the cost model gives FLOPs only.
+    kv_bytes = engine_kv_bytes_per_token(p.token_to_kv_pool_allocator)
+    if kv_bytes is None:
+        kv_bytes = cost.kv_bytes_per_token if cost is not None else 1
+    state_bytes = engine_state_bytes(p.req_to_token_pool)
+    if state_bytes is None:
+        state_bytes = cost.state_bytes if cost is not None else 1
     mamba_slots = int(p.req_to_token_pool.mamba_allocator.available_size())
     kv_tokens = int(p.token_to_kv_pool_allocator.available_size())
     budget = kv_tokens * kv_bytes + mamba_slots * state_bytes
