@@ -392,6 +392,88 @@ def engine_kv_bytes_per_token(token_to_kv_pool_allocator: Any) -> int | None:
     return int(round(total / rows))
 
 
+def measure_load_bandwidth(device: Any, nbytes: int = 8 << 20, repeats: int = 5) -> tuple[float, bool]:
+    """Host-to-device copy bandwidth (bytes/s) and whether the host buffer was pinned: the median
+    of ``repeats`` timed copies of ``nbytes`` from host memory to ``device`` (one untimed warm-up
+    copy first). Pinned where the device has pinned memory (CUDA); on the CPU device the copy is
+    a memcpy between two host buffers. What SGLang's HiCache load-back does per byte, short of its
+    io kernels and page layout."""
+    import statistics
+    import time
+
+    import torch
+
+    dev = torch.device(device)
+    pinned = dev.type == "cuda" and torch.cuda.is_available()
+    src = torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=pinned)
+    src.fill_(1)
+    dst = torch.empty(int(nbytes), dtype=torch.uint8, device=dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    dst.copy_(src, non_blocking=pinned)
+    sync()
+    times = []
+    for _ in range(max(1, int(repeats))):
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=pinned)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return int(nbytes) / max(statistics.median(times), 1e-9), pinned
+
+
+def host_pool_sizes(host_pool_group: Any) -> dict[str, tuple[int, int]]:
+    """SGLang's HiCache host pools of this rank: pool name -> (slots, bytes per slot), slots being
+    tokens for a KV pool and states for the Mamba pool (``MambaPoolHost``: page size 1, one slot per
+    state); bytes per slot is the pool's own ``size_per_token`` (what it allocated by)."""
+    out: dict[str, tuple[int, int]] = {}
+    for entry in getattr(host_pool_group, "entries", ()):
+        pool = entry.host_pool
+        name = getattr(entry.name, "value", entry.name)
+        out[str(name)] = (int(pool.size), int(pool.size_per_token))
+    return out
+
+
+def host_tier_config(cache: Any, ctx: Any, config: Any, device: Any) -> Any:
+    """The policy's :class:`~sglang_sparse.policy.host_tier.HostTierConfig` for SGLang's HiCache
+    below ``cache``: budget = the host pools' bytes (:func:`host_pool_sizes`), write policy from
+    ``--hicache-write-policy`` (SGLang's ``write_back``; its write-through variants write every
+    cached item to the host: ``write_through``), load bandwidth ``SGLANG_SPARSE_HOST_BANDWIDTH`` or
+    measured (:func:`measure_load_bandwidth`), device FLOP/s ``SGLANG_SPARSE_DEVICE_FLOPS``.
+    ``None`` when SGLang attached no host pool."""
+    from sglang_sparse.policy.host_tier import HostTierConfig
+
+    group = getattr(cache, "host_pool_group", None)
+    pools = host_pool_sizes(group) if group is not None else {}
+    host_bytes = sum(n * b for n, b in pools.values())
+    if host_bytes <= 0:
+        return None
+    wp = getattr(ctx.server_args, "hicache_write_policy", None) or "write_through"
+    bandwidth = config.host_bandwidth
+    how = "SGLANG_SPARSE_HOST_BANDWIDTH"
+    if bandwidth is None:
+        bandwidth, pinned = measure_load_bandwidth(device)
+        how = f"measured on {device}: median of 5 copies of 8 MiB, {'pinned' if pinned else 'pageable'}"
+    host = HostTierConfig(
+        budget_bytes=int(host_bytes),
+        load_bandwidth=float(bandwidth),
+        device_flops=float(config.device_flops),
+        write_policy="write_back" if wp == "write_back" else "write_through",
+    )
+    logger.info(
+        "sparse cache: HiCache host tier %d B (%s), %s; load bandwidth %.2f GB/s (%s), device %.3g FLOP/s",
+        host_bytes,
+        ", ".join(f"{k} {n} x {b} B" for k, (n, b) in pools.items()),
+        host.write_policy,
+        bandwidth / 1e9,
+        how,
+        host.device_flops,
+    )
+    return host
+
+
 def sparse_cache_factory(ctx: Any):
     """Backend factory (runs in the scheduler): validate, build the policy and the cache."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
@@ -570,6 +652,19 @@ def sparse_cache_factory(ctx: Any):
         return cache_class(params, policy=policy, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)
 
     cache = create_unified_radix_cache(ctx, cache_class=build)
+    if ctx.enable_hierarchical_cache:
+        kvcache = p.token_to_kv_pool_allocator.get_kvcache()
+        host = host_tier_config(cache, ctx, config, getattr(kvcache, "device", "cpu"))
+        if host is not None:
+            policy.set_host_tier(host)
+            logger.info(
+                "sparse cache: two tiers scored: logical cache %d B (device %d B), host share %.2f, "
+                "load cost %s",
+                policy.budget_bytes,
+                policy.device_bytes,
+                host.host_share(policy.device_bytes),
+                "on" if policy.snapshot().get("host_cost") else "off",
+            )
     if extra_buffer:
         from . import capture_state
 
