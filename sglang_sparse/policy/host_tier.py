@@ -86,23 +86,40 @@ class HostCost:
     """The cost model of a logical two-tier cache's evictor: ``cost`` with every checkpoint's FLOPs
     saved per hit reduced by its expected load, ``host_share`` (0..1) times the load of the state and
     of the KV between it and its fallback (never below 0). Everything else is ``cost``'s (attribute
-    access is delegated), so it can stand wherever a :class:`~.cost_model.ModelCostModel` does."""
+    access is delegated), so it can stand wherever a :class:`~.cost_model.ModelCostModel` does.
 
-    def __init__(self, cost: Any, config: HostTierConfig, host_share: float) -> None:
+    ``kv_bytes_per_token`` / ``state_bytes`` (bytes): what a load moves, when the engine's pools
+    hold other sizes than ``cost``'s model (the SGLang adapter passes its pools' bytes); default
+    ``cost``'s."""
+
+    def __init__(
+        self,
+        cost: Any,
+        config: HostTierConfig,
+        host_share: float,
+        *,
+        kv_bytes_per_token: int | None = None,
+        state_bytes: int | None = None,
+    ) -> None:
         if not 0.0 <= host_share <= 1.0:
             raise ValueError(f"host_share must be in [0, 1], got {host_share}")
         self.cost = cost
         self.config = config
         self.host_share = float(host_share)
+        kvb = cost.kv_bytes_per_token if kv_bytes_per_token is None else kv_bytes_per_token
+        self.load_kv_bytes = int(kvb)
+        self.load_state_bytes = int(cost.state_bytes if state_bytes is None else state_bytes)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("cost", "config", "host_share") or name.startswith("__"):
+        if name in ("cost", "config", "host_share", "load_kv_bytes", "load_state_bytes") or name.startswith(
+            "__"
+        ):
             raise AttributeError(name)  # not set yet (unpickling): never recurse
         return getattr(self.cost, name)
 
     def node_flops_saved(self, pos: int, fallback: int) -> float:
         """FLOPs a hit at ``pos`` saves net of its expected load (``host_share`` x the state and the
         KV of ``pos - fallback`` tokens)."""
-        c = self.cost
-        load = c.state_bytes + max(0, pos - fallback) * c.kv_bytes_per_token
-        return max(0.0, c.node_flops_saved(pos, fallback) - self.host_share * self.config.load_flops(load))
+        load = self.load_state_bytes + max(0, pos - fallback) * self.load_kv_bytes
+        saved = self.cost.node_flops_saved(pos, fallback)
+        return max(0.0, saved - self.host_share * self.config.load_flops(load))

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertResult
 from sglang.srt.mem_cache.unified_cache.components import ComponentType, EvictLayer
+from sglang.srt.mem_cache.unified_cache.components.base import BASE_COMPONENT_TYPE, InternalStateBackup
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import (
@@ -289,6 +290,15 @@ def make_sparse_tree_core(params, components):
     return SparseTreeCore(params, components)
 
 
+def _device_policy_walk(tree_core: Any, policy: TreePolicy) -> bool:
+    """Whether the device walks (state pool short, KV pool short) take the policy's order: not with
+    sessions (SGLang's session cursors), and with HiCache only under ``SGLANG_SPARSE_DEMOTE=policy``
+    (else SGLang's LRU walks pick what the device demotes)."""
+    if tree_core.enable_session_radix_cache:
+        return False
+    return not tree_core.enable_hicache or policy.config.demote == "policy"
+
+
 class SparseMambaComponent(MambaComponent):
     """Mamba component: policy admission, state events to the mirror, policy eviction order."""
 
@@ -391,7 +401,7 @@ class SparseMambaComponent(MambaComponent):
     # ---------------------------------------------------------------- evict (order)
 
     def _policy_walk(self) -> bool:
-        return not self.tree_core.enable_session_radix_cache and not self.tree_core.enable_hicache
+        return _device_policy_walk(self.tree_core, self.cache.policy)
 
     def _evict_device_start(self, request_cnt: int) -> None:
         if not self._policy_walk():
@@ -448,8 +458,19 @@ class SparseMambaComponent(MambaComponent):
                 continue  # freed or locked
             if not scored:
                 self.cache.policy.stats.unscored_evictions += 1
-            if x in self.tree_core.evictable_device_leaves:
-                return x.id  # the cache evicts the whole leaf (KV + state)
+            tc = self.tree_core
+            if x in tc.evictable_device_leaves:
+                return x.id  # the cache evicts the whole leaf (KV + state; HiCache: backup, demote)
+            if (
+                tc.enable_hicache
+                and tc.is_write_back
+                and cd.host_value is None
+                and not x.backuped
+                and x.component_data[BASE_COMPONENT_TYPE].value is not None
+            ):
+                # SGLang's own step (MambaComponent._evict_device_next_node): the cache backs the
+                # state up to the host, then finishes the tombstone (finish_mamba_state_eviction).
+                return InternalStateBackup(node_id=x.id, num_tokens=1)
             self._tombstone(x, EvictLayer.DEVICE, tracker, device_frees, host_frees, cache_actions)
             return None  # one mutation per step
         return None
@@ -533,7 +554,7 @@ class SparseFullComponent(FullComponent):
     enabled the walk is SGLang's own."""
 
     def _policy_walk(self) -> bool:
-        return not self.tree_core.enable_session_radix_cache and not self.tree_core.enable_hicache
+        return _device_policy_walk(self.tree_core, self.cache.policy)
 
     def _evict_device_start(self, request_cnt: int) -> None:
         if not self._policy_walk():

@@ -68,6 +68,22 @@ variable (JSON key)                default    meaning
                                                ``forward`` there is an error); ``cut`` ends the prefill
                                                chunk there (one more forward each; no_buffer checkpoints
                                                the chunk end)
+``SGLANG_SPARSE_HOST_BANDWIDTH``    measured   HiCache only: host-to-device copy bandwidth, bytes/s (> 0),
+(``host_bandwidth``)                           with which a host hit's load is charged (``HostCost``).
+                                               Default: measured at start-up (median of 5 copies of
+                                               8 MiB from host memory, pinned where the device has
+                                               pinned memory; on the CPU a memcpy), and logged
+``SGLANG_SPARSE_DEVICE_FLOPS``      4e14       HiCache only: prefill FLOP/s of the device (> 0): converts
+(``device_flops``)                             a load's seconds into the prefill FLOPs it costs
+                                               (``bytes * device_flops / host_bandwidth``)
+``SGLANG_SPARSE_HOST_COST``         1          HiCache only: 1 = a FLOP-aware policy values a state net of
+(``host_cost``)                                its expected load (the host's share of the logical cache x
+                                               the load of the state and its KV); 0 = as without a host
+``SGLANG_SPARSE_DEMOTE``            lru        HiCache only: which device states / KV leaves the device
+(``demote``)                                   walks evict first (write-back: backed up to the host, then
+                                               freed; write-through: the host already has a copy).
+                                               ``lru``: SGLang's LRU walks; ``policy``: the policy's
+                                               eviction order, as without HiCache
 =================================  =========  ==============================================
 
 This module has no SGLang import (it is unit-testable without the serving stack).
@@ -111,6 +127,10 @@ class SparseConfig:
     probation: int = 2
     check_invariants: bool = False
     capture: str = "forward"
+    host_bandwidth: float | None = None  # bytes/s; None: measured at start-up (HiCache only)
+    device_flops: float = 4e14  # FLOP/s (HiCache only; policy.host_tier.DEFAULT_DEVICE_FLOPS)
+    host_cost: bool = True
+    demote: str = "lru"
 
     @property
     def alpha_auto(self) -> bool:
@@ -227,6 +247,14 @@ def _bool(src: str, v: Any) -> bool:
 
 
 CAPTURE_MODES = ("cut", "forward")
+DEMOTE_ORDERS = ("lru", "policy")
+
+
+def _demote(src: str, v: Any) -> str:
+    t = str(v).strip().lower()
+    if t not in DEMOTE_ORDERS:
+        raise SparseConfigError(f"{src}={v!r}: unknown demotion order; valid: {', '.join(DEMOTE_ORDERS)}")
+    return t
 
 
 def _capture(src: str, v: Any) -> str:
@@ -252,6 +280,13 @@ def _alpha(src: str, v: Any) -> float | None:
     return x
 
 
+def _positive(src: str, v: Any, unit: str) -> float:
+    x = _float(src, v)
+    if not x > 0:
+        raise SparseConfigError(f"{src}={v!r}: must be > 0 ({unit})")
+    return x
+
+
 _PARSERS = {
     "policy": _policy,
     "edge_budget": lambda s, v: _int(s, v, 0),
@@ -268,5 +303,9 @@ _PARSERS = {
     "probation": lambda s, v: _int(s, v, 0),
     "check_invariants": _bool,
     "capture": _capture,
+    "host_bandwidth": lambda s, v: _positive(s, v, "bytes per second"),
+    "device_flops": lambda s, v: _positive(s, v, "FLOP per second"),
+    "host_cost": _bool,
+    "demote": _demote,
 }
 _FIELDS = tuple(_PARSERS)

@@ -347,6 +347,133 @@ def _cost_model(ctx: Any):
     return ModelCostModel.from_hf_config(cfg)
 
 
+def engine_state_bytes(req_to_token_pool: Any) -> int | None:
+    """Bytes of one recurrent state (one Mamba pool slot, all recurrent layers of this rank) as
+    SGLang's device pool holds it: the conv and temporal tensors' row per slot, plus any side state
+    riding on the slot, the same sum as ``MambaPoolHost.get_size_per_token`` (``pool_host/mamba.py``).
+    So ``SGLANG_MAMBA_SSM_DTYPE`` / ``SGLANG_MAMBA_CONV_DTYPE`` and TP sharding are what the pool
+    allocated. ``None`` when the pool has no Mamba tensors to read (not a SGLang hybrid pool)."""
+    pool = getattr(req_to_token_pool, "mamba_pool", None)
+    if pool is None:
+        return None
+    extra: tuple = ()
+    infos = getattr(pool, "get_device_pool_infos", None)
+    if infos is not None:
+        info = infos()[0].buffer_info
+        temporal, conv, extra = info.temporal, tuple(info.conv), tuple(info.extra_checkpoint_buffers)
+    else:
+        cache = getattr(pool, "mamba_cache", None)
+        if cache is None:
+            return None
+        temporal, conv = cache.temporal, tuple(cache.conv)
+    # [layer, slot, ...]: one slot's row over every layer
+    per_slot = sum(t[:, 0].numel() * t.element_size() for t in (temporal, *conv))
+    per_slot += sum(t[0].numel() * t.element_size() for t in extra)  # [slot, ...]
+    return int(per_slot)
+
+
+def engine_kv_bytes_per_token(token_to_kv_pool_allocator: Any) -> int | None:
+    """KV-cache bytes of one token (every full-attention layer of this rank) as SGLang's KV pool
+    holds it: ``get_kv_size_bytes()`` (K + V) over the pool's rows (``size + page_size``, the padding page
+    included), so ``--kv-cache-dtype`` and TP sharding are the pool's. ``None`` when the allocator
+    has no such pool."""
+    get = getattr(token_to_kv_pool_allocator, "get_kvcache", None)
+    kv = get() if get is not None else None
+    full = getattr(kv, "full_kv_pool", kv)  # HybridLinearKVPool: the full-attention layers' pool
+    if full is None or not hasattr(full, "get_kv_size_bytes"):
+        return None
+    size = full.get_kv_size_bytes()  # (K bytes, V bytes) for MHA pools, one number for others
+    total = sum(int(x) for x in size) if isinstance(size, (tuple, list)) else int(size)
+    k = getattr(full, "k_buffer", None)
+    if isinstance(k, (list, tuple)) and k:
+        rows = int(k[0].shape[0])
+    else:
+        rows = int(full.size) + int(getattr(full, "page_size", 1) or 1)
+    return int(round(total / rows))
+
+
+def measure_load_bandwidth(device: Any, nbytes: int = 8 << 20, repeats: int = 5) -> tuple[float, bool]:
+    """Host-to-device copy bandwidth (bytes/s) and whether the host buffer was pinned: the median
+    of ``repeats`` timed copies of ``nbytes`` from host memory to ``device`` (one untimed warm-up
+    copy first). Pinned where the device has pinned memory (CUDA); on the CPU device the copy is
+    a memcpy between two host buffers. What SGLang's HiCache load-back does per byte, short of its
+    io kernels and page layout."""
+    import statistics
+    import time
+
+    import torch
+
+    dev = torch.device(device)
+    pinned = dev.type == "cuda" and torch.cuda.is_available()
+    src = torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=pinned)
+    src.fill_(1)
+    dst = torch.empty(int(nbytes), dtype=torch.uint8, device=dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    dst.copy_(src, non_blocking=pinned)
+    sync()
+    times = []
+    for _ in range(max(1, int(repeats))):
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=pinned)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return int(nbytes) / max(statistics.median(times), 1e-9), pinned
+
+
+def host_pool_sizes(host_pool_group: Any) -> dict[str, tuple[int, int]]:
+    """SGLang's HiCache host pools of this rank: pool name -> (slots, bytes per slot), slots being
+    tokens for a KV pool and states for the Mamba pool (``MambaPoolHost``: page size 1, one slot per
+    state); bytes per slot is the pool's own ``size_per_token`` (what it allocated by)."""
+    out: dict[str, tuple[int, int]] = {}
+    for entry in getattr(host_pool_group, "entries", ()):
+        pool = entry.host_pool
+        name = getattr(entry.name, "value", entry.name)
+        out[str(name)] = (int(pool.size), int(pool.size_per_token))
+    return out
+
+
+def host_tier_config(cache: Any, ctx: Any, config: Any, device: Any) -> Any:
+    """The policy's :class:`~sglang_sparse.policy.host_tier.HostTierConfig` for SGLang's HiCache
+    below ``cache``: budget = the host pools' bytes (:func:`host_pool_sizes`), write policy from
+    ``--hicache-write-policy`` (SGLang's ``write_back``; its write-through variants write every
+    cached item to the host: ``write_through``), load bandwidth ``SGLANG_SPARSE_HOST_BANDWIDTH`` or
+    measured (:func:`measure_load_bandwidth`), device FLOP/s ``SGLANG_SPARSE_DEVICE_FLOPS``.
+    ``None`` when SGLang attached no host pool."""
+    from sglang_sparse.policy.host_tier import HostTierConfig
+
+    group = getattr(cache, "host_pool_group", None)
+    pools = host_pool_sizes(group) if group is not None else {}
+    host_bytes = sum(n * b for n, b in pools.values())
+    if host_bytes <= 0:
+        return None
+    wp = getattr(ctx.server_args, "hicache_write_policy", None) or "write_through"
+    bandwidth = config.host_bandwidth
+    how = "SGLANG_SPARSE_HOST_BANDWIDTH"
+    if bandwidth is None:
+        bandwidth, pinned = measure_load_bandwidth(device)
+        how = f"measured on {device}: median of 5 copies of 8 MiB, {'pinned' if pinned else 'pageable'}"
+    host = HostTierConfig(
+        budget_bytes=int(host_bytes),
+        load_bandwidth=float(bandwidth),
+        device_flops=float(config.device_flops),
+        write_policy="write_back" if wp == "write_back" else "write_through",
+    )
+    logger.info(
+        "sparse cache: HiCache host tier %d B (%s), %s; load bandwidth %.2f GB/s (%s), device %.3g FLOP/s",
+        host_bytes,
+        ", ".join(f"{k} {n} x {b} B" for k, (n, b) in pools.items()),
+        host.write_policy,
+        bandwidth / 1e9,
+        how,
+        host.device_flops,
+    )
+    return host
+
+
 def sparse_cache_factory(ctx: Any):
     """Backend factory (runs in the scheduler): validate, build the policy and the cache."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
@@ -418,8 +545,13 @@ def sparse_cache_factory(ctx: Any):
                 f"model cannot be built ({e}); set SGLANG_SPARSE_POLICY to a non-FLOP-aware policy"
             ) from None
         cost = None
-    kv_bytes = cost.kv_bytes_per_token if cost is not None else 1
-    state_bytes = cost.state_bytes if cost is not None else 1
+    # Bytes are SGLang's (its pools as allocated); the cost model gives FLOPs only.
+    kv_bytes = engine_kv_bytes_per_token(p.token_to_kv_pool_allocator)
+    if kv_bytes is None:
+        kv_bytes = cost.kv_bytes_per_token if cost is not None else 1
+    state_bytes = engine_state_bytes(p.req_to_token_pool)
+    if state_bytes is None:
+        state_bytes = cost.state_bytes if cost is not None else 1
     mamba_slots = int(p.req_to_token_pool.mamba_allocator.available_size())
     kv_tokens = int(p.token_to_kv_pool_allocator.available_size())
     budget = kv_tokens * kv_bytes + mamba_slots * state_bytes
@@ -520,6 +652,19 @@ def sparse_cache_factory(ctx: Any):
         return cache_class(params, policy=policy, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)
 
     cache = create_unified_radix_cache(ctx, cache_class=build)
+    if ctx.enable_hierarchical_cache:
+        kvcache = p.token_to_kv_pool_allocator.get_kvcache()
+        host = host_tier_config(cache, ctx, config, getattr(kvcache, "device", "cpu"))
+        if host is not None:
+            policy.set_host_tier(host)
+            logger.info(
+                "sparse cache: two tiers scored: logical cache %d B (device %d B), host share %.2f, "
+                "load cost %s",
+                policy.budget_bytes,
+                policy.device_bytes,
+                host.host_share(policy.device_bytes),
+                "on" if policy.snapshot().get("host_cost") else "off",
+            )
     if extra_buffer:
         from . import capture_state
 

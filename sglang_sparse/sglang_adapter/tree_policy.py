@@ -47,6 +47,7 @@ from sglang_sparse.placement import DEFAULT_GRID
 from sglang_sparse.policy import AlphaTuner, CacheSnapshot, HybridCache, ModelCostModel, get_policy
 from sglang_sparse.policy.admission import TAIL_WARMUP, extends_leaf
 from sglang_sparse.policy.eviction_index import PROBATION, SPARE
+from sglang_sparse.policy.host_tier import HostCost, HostTierConfig
 from sglang_sparse.sim.replay_worker import ReplayWorker
 from sglang_sparse.tree import MirrorError, MirrorTree, Node, TreeSnapshotBuilder
 
@@ -158,7 +159,36 @@ class TreePolicy:
         #: the child process that replays tuning windows (started at the first tuning run)
         self._worker: ReplayWorker | None = None
         self._alpha = 0.0 if not self.spec.flop_aware or config.alpha is None else float(config.alpha)
+        #: HiCache: the host tier below the device (:meth:`set_host_tier`; None without one)
+        self.host: HostTierConfig | None = None
+        #: the device's bytes (KV + states) the host tier sits below
+        self.device_bytes = self.budget_bytes
         self.reset(root_id)
+
+    def set_host_tier(self, host: HostTierConfig) -> None:
+        """Score two tiers, as the simulator does (``sim/simulator.py``, :mod:`~sglang_sparse.policy.
+        host_tier`): the policy's cache becomes the logical cache (``host.logical_bytes`` of the
+        device's ``budget_bytes``) and, for a FLOP-aware policy with ``config.host_cost``, every
+        state's FLOPs saved are net of its expected load (:class:`HostCost` with this policy's bytes:
+        the host's share of the logical cache x the load of the state and its KV). ``fit_tokens`` (the
+        device's KV pool; without one, what fits in the device's bytes) stays: the forward runs on the
+        device. Call before anything is cached (the
+        backend factory, right after SGLang attached its host pools)."""
+        if self.mirror.num_nodes or self._plans:
+            raise RuntimeError("set_host_tier: the cache already holds requests")
+        self.host = host
+        if self.cost is not None and self.spec.flop_aware and self.config.host_cost:
+            self.cost = HostCost(
+                self.cost,
+                host,
+                host.host_share(self.device_bytes),
+                kv_bytes_per_token=self._kv_bytes,
+                state_bytes=self._state_bytes,
+            )
+        if self.fit_tokens is None and self._kv_bytes:  # the device's, not the logical cache's
+            self.fit_tokens = (self.device_bytes - self._state_bytes) // self._kv_bytes
+        self.budget_bytes = host.logical_bytes(self.device_bytes)
+        self.reset(self.mirror.root.uid)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -718,6 +748,16 @@ class TreePolicy:
             tail_observations=self.cache.tail.observations,
             tail_states_open=len(self.cache.tail_states),
         )
+        if self.host is not None:
+            out.update(
+                host_budget_bytes=self.host.budget_bytes,
+                host_write_policy=self.host.write_policy,
+                host_load_bandwidth=self.host.load_bandwidth,
+                host_device_flops=self.host.device_flops,
+                host_share=self.host.host_share(self.device_bytes),
+                host_cost=isinstance(self.cost, HostCost),
+                device_budget_bytes=self.device_bytes,
+            )
         return out
 
 

@@ -28,6 +28,7 @@ nothing leaked at idle, every reserved capture slot accounted for.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,7 +63,11 @@ CONFIGS = {
     "native_eb_write_back_page16": ("extra_buffer", [*WB, "--page-size", "16"]),
     "sparse_nb_write_back": ("no_buffer", [*SPARSE, *WB]),
     "sparse_eb_write_through_page16": ("extra_buffer", [*SPARSE, *WT, "--page-size", "16"]),
+    "sparse_eb_write_back_page16_demote_policy": ("extra_buffer", [*SPARSE, *WB, "--page-size", "16"]),
 }
+#: per-config environment on top of CHECK_ENV: the device walks in the policy's order under HiCache
+#: (write-back: an internal state is backed up to the host before its slot is freed)
+CONFIG_ENV = {"sparse_eb_write_back_page16_demote_policy": {"SGLANG_SPARSE_DEMOTE": "policy"}}
 CHECK_ENV = {
     "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
     "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1",
@@ -173,7 +178,8 @@ def plain_radix(model_dir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
 def hicache(request: pytest.FixtureRequest, model_dir: Path) -> dict[str, Any]:
     strategy, extra = CONFIGS[request.param]
-    return _serve(model_dir, strategy, [*HICACHE, *extra], CHECK_ENV)
+    env = {**CHECK_ENV, **CONFIG_ENV.get(request.param, {})}
+    return {**_serve(model_dir, strategy, [*HICACHE, *extra], env), "name": request.param}
 
 
 def test_io_backend_resolved_for_the_cpu(hicache: dict[str, Any]) -> None:
@@ -191,6 +197,38 @@ def test_capture_default_follows_the_write_policy(hicache: dict[str, Any]) -> No
     want = "forward" if hicache["info"]["hicache_write_policy"] == "write_through" else "cut"
     assert f"capture={want}" in hicache["log"], hicache["log"][-4000:]
     assert hicache["idle"].get("capture_mode", "cut") == want, hicache["idle"]  # set by forward only
+
+
+def test_sparse_scores_two_tiers_from_sglangs_host_pools(hicache: dict[str, Any]) -> None:
+    """The policy's host tier is SGLang's host pools in bytes (KV tokens x the KV host pool's bytes
+    per token + state slots x the Mamba host pool's bytes per state, the counts SGLang logs when it
+    allocates them), under the server's write policy, with the start-up bandwidth probe's figure; a
+    state's value is net of its load (``HostCost``)."""
+    s = hicache["idle"]
+    if s is None:
+        pytest.skip("native SGLang: no policy")
+    log = hicache["log"]
+    kv_tokens = int(re.search(r"hierarchical KV host pool: (\d+) tokens", log).group(1))
+    slots = int(re.search(r"hierarchical Mamba cache \((\d+) state slots", log).group(1))
+    assert s["host_budget_bytes"] == kv_tokens * s["kv_bytes_per_token"] + slots * s["state_bytes"], s
+    wp = hicache["info"]["hicache_write_policy"]
+    assert s["host_write_policy"] == wp and s["host_cost"] is True, s
+    device, host = s["device_budget_bytes"], s["host_budget_bytes"]
+    assert s["budget_bytes"] == (device + host if wp == "write_back" else max(device, host)), s
+    assert s["host_load_bandwidth"] > 0 and "load bandwidth" in log and "measured on cpu" in log
+    assert 0 < s["host_share"] < 1, s
+
+
+def test_device_walks_follow_the_demotion_order(hicache: dict[str, Any]) -> None:
+    """``SGLANG_SPARSE_DEMOTE``: SGLang's LRU walks pick what the device demotes by default; with
+    ``policy`` the device's KV walk is the policy's (and its state walk: counted with the host's)."""
+    s = hicache["idle"]
+    if s is None:
+        pytest.skip("native SGLang: no policy")
+    if hicache["name"].endswith("demote_policy"):
+        assert s["kv_eviction_walks"] > 0, s
+    else:
+        assert s["kv_eviction_walks"] == 0, s
 
 
 def test_greedy_tokens_identical_to_no_cache(hicache: dict[str, Any], reference: dict[str, Any]) -> None:

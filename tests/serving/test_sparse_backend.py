@@ -357,6 +357,20 @@ def test_unknown_policy_lists_only_serving_policies() -> None:
         ({"SGLANG_SPARSE_BRANCH_GRID": "0"}, "SGLANG_SPARSE_BRANCH_GRID='0': must be >= 1"),
         ({"SGLANG_SPARSE_TAIL_GRID": "0"}, "SGLANG_SPARSE_TAIL_GRID='0': must be >= 1"),
         ({"SGLANG_SPARSE_POLICY": "oracle"}, "simulator only"),
+        (
+            {"SGLANG_SPARSE_HOST_BANDWIDTH": "0"},
+            "SGLANG_SPARSE_HOST_BANDWIDTH='0': must be > 0 (bytes per second)",
+        ),
+        ({"SGLANG_SPARSE_HOST_BANDWIDTH": "fast"}, "SGLANG_SPARSE_HOST_BANDWIDTH='fast': expected a number"),
+        (
+            {"SGLANG_SPARSE_DEVICE_FLOPS": "-1e12"},
+            "SGLANG_SPARSE_DEVICE_FLOPS='-1e12': must be > 0 (FLOP per second)",
+        ),
+        ({"SGLANG_SPARSE_HOST_COST": "maybe"}, "SGLANG_SPARSE_HOST_COST='maybe': expected 0 or 1"),
+        (
+            {"SGLANG_SPARSE_DEMOTE": "fifo"},
+            "SGLANG_SPARSE_DEMOTE='fifo': unknown demotion order; valid: lru, policy",
+        ),
         ({"SGLANG_SPARSE_POLCY": "lru"}, "unknown variable SGLANG_SPARSE_POLCY"),
         (
             {"SGLANG_SPARSE_CONFIG": "/nonexistent.json"},
