@@ -76,6 +76,21 @@ def test_measured_bandwidth_is_a_positive_rate() -> None:
     assert bw > 1e6 and pinned is False  # > 1 MB/s: a memcpy on any machine
 
 
+def test_measured_device_flops_prices_a_cpu_load_below_a_gpu_default() -> None:
+    """The measured default pairs the CPU's own matmul rate with its own memcpy bandwidth: a loaded
+    byte then costs the few prefill FLOPs the CPU could run meanwhile, not the GPU default's 16,000
+    (4e14 FLOP/s over 25 GB/s), which on the CPU priced every host hit at more than it saves."""
+    pytest.importorskip("torch")
+    from sglang_sparse.sglang_adapter.plugin import measure_device_flops, measure_load_bandwidth
+
+    flops, dtype = measure_device_flops("cpu", n=256, repeats=3)
+    bw, _ = measure_load_bandwidth("cpu", nbytes=1 << 20, repeats=3)
+    assert dtype == "float32" and 1e6 < flops < 1e14  # a 2-core CPU: well below any GPU's rate
+    assert HostTierConfig(1, load_bandwidth=bw, device_flops=flops).flops_per_byte < (
+        HostTierConfig(1).flops_per_byte
+    )
+
+
 def test_host_options_parse() -> None:
     cfg = SparseConfig.from_env(
         {
@@ -92,5 +107,5 @@ def test_host_options_parse() -> None:
         "policy",
     )
     default = SparseConfig.from_env({})
-    assert default.host_bandwidth is None and default.device_flops == 4e14 and default.host_cost
+    assert default.host_bandwidth is None and default.device_flops is None and default.host_cost
     assert default.demote == "lru"

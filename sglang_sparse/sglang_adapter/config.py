@@ -73,9 +73,11 @@ variable (JSON key)                default    meaning
                                                Default: measured at start-up (median of 5 copies of
                                                8 MiB from host memory, pinned where the device has
                                                pinned memory; on the CPU a memcpy), and logged
-``SGLANG_SPARSE_DEVICE_FLOPS``      4e14       HiCache only: prefill FLOP/s of the device (> 0): converts
+``SGLANG_SPARSE_DEVICE_FLOPS``      measured   HiCache only: prefill FLOP/s of the device (> 0): converts
 (``device_flops``)                             a load's seconds into the prefill FLOPs it costs
-                                               (``bytes * device_flops / host_bandwidth``)
+                                               (``bytes * device_flops / host_bandwidth``). Default:
+                                               measured at start-up on the same device as the
+                                               bandwidth (median of 3 timed square matmuls), logged
 ``SGLANG_SPARSE_HOST_COST``         1          HiCache only: 1 = a FLOP-aware policy values a state net of
 (``host_cost``)                                its expected load (the host's share of the logical cache x
                                                the load of the state and its KV); 0 = as without a host
@@ -128,7 +130,7 @@ class SparseConfig:
     check_invariants: bool = False
     capture: str = "forward"
     host_bandwidth: float | None = None  # bytes/s; None: measured at start-up (HiCache only)
-    device_flops: float = 4e14  # FLOP/s (HiCache only; policy.host_tier.DEFAULT_DEVICE_FLOPS)
+    device_flops: float | None = None  # FLOP/s; None: measured at start-up (HiCache only)
     host_cost: bool = True
     demote: str = "lru"
 

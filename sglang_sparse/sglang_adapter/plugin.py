@@ -424,6 +424,40 @@ def measure_load_bandwidth(device: Any, nbytes: int = 8 << 20, repeats: int = 5)
     return int(nbytes) / max(statistics.median(times), 1e-9), pinned
 
 
+def measure_device_flops(device: Any, n: int | None = None, repeats: int = 3) -> tuple[float, str]:
+    """Dense FLOP/s of ``device`` and the dtype it was timed in: the median of ``repeats`` timed
+    ``n x n @ n x n`` matmuls (``2 n^3`` FLOPs each; one untimed warm-up), bf16 with ``n = 4096`` on
+    an accelerator, fp32 with ``n = 1024`` on the CPU. It pairs with :func:`measure_load_bandwidth`
+    (same device, same moment, so both read the same load on a shared machine): their ratio prices
+    a host load in prefill FLOPs. A matmul's rate is an upper bound on prefill's, so the load charge
+    errs high by at most prefill's efficiency (~0.4-0.6 on a GPU)."""
+    import statistics
+    import time
+
+    import torch
+
+    dev = torch.device(device)
+    accel = dev.type != "cpu"
+    n = int(n or (4096 if accel else 1024))
+    dtype = torch.bfloat16 if accel else torch.float32
+    a = torch.randn(n, n, dtype=torch.float32).to(device=dev, dtype=dtype)
+    b = torch.randn(n, n, dtype=torch.float32).to(device=dev, dtype=dtype)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    torch.matmul(a, b)
+    sync()
+    times = []
+    for _ in range(max(1, int(repeats))):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / max(statistics.median(times), 1e-9), str(dtype).removeprefix("torch.")
+
+
 def host_pool_sizes(host_pool_group: Any) -> dict[str, tuple[int, int]]:
     """SGLang's HiCache host pools of this rank: pool name -> (slots, bytes per slot), slots being
     tokens for a KV pool and states for the Mamba pool (``MambaPoolHost``: page size 1, one slot per
@@ -441,7 +475,8 @@ def host_tier_config(cache: Any, ctx: Any, config: Any, device: Any) -> Any:
     below ``cache``: budget = the host pools' bytes (:func:`host_pool_sizes`), write policy from
     ``--hicache-write-policy`` (SGLang's ``write_back``; its write-through variants write every
     cached item to the host: ``write_through``), load bandwidth ``SGLANG_SPARSE_HOST_BANDWIDTH`` or
-    measured (:func:`measure_load_bandwidth`), device FLOP/s ``SGLANG_SPARSE_DEVICE_FLOPS``.
+    measured (:func:`measure_load_bandwidth`), device FLOP/s ``SGLANG_SPARSE_DEVICE_FLOPS`` or
+    measured (:func:`measure_device_flops`).
     ``None`` when SGLang attached no host pool."""
     from sglang_sparse.policy.host_tier import HostTierConfig
 
@@ -456,20 +491,28 @@ def host_tier_config(cache: Any, ctx: Any, config: Any, device: Any) -> Any:
     if bandwidth is None:
         bandwidth, pinned = measure_load_bandwidth(device)
         how = f"measured on {device}: median of 5 copies of 8 MiB, {'pinned' if pinned else 'pageable'}"
+    flops = config.device_flops
+    flops_how = "SGLANG_SPARSE_DEVICE_FLOPS"
+    if flops is None:
+        flops, dtype = measure_device_flops(device)
+        flops_how = f"measured on {device}: median of 3 square {dtype} matmuls"
     host = HostTierConfig(
         budget_bytes=int(host_bytes),
         load_bandwidth=float(bandwidth),
-        device_flops=float(config.device_flops),
+        device_flops=float(flops),
         write_policy="write_back" if wp == "write_back" else "write_through",
     )
     logger.info(
-        "sparse cache: HiCache host tier %d B (%s), %s; load bandwidth %.2f GB/s (%s), device %.3g FLOP/s",
+        "sparse cache: HiCache host tier %d B (%s), %s; load bandwidth %.2f GB/s (%s), device %.3g FLOP/s "
+        "(%s): a loaded byte costs %.3g prefill FLOPs",
         host_bytes,
         ", ".join(f"{k} {n} x {b} B" for k, (n, b) in pools.items()),
         host.write_policy,
         bandwidth / 1e9,
         how,
         host.device_flops,
+        flops_how,
+        host.flops_per_byte,
     )
     return host
 
