@@ -18,6 +18,7 @@ import pytest
 
 from sglang_sparse.placement import DepthHistogram
 from sglang_sparse.policy import AlphaTuner, CacheSnapshot, HybridCache
+from sglang_sparse.policy.plan_table import EdgePlan, PlanTable
 from sglang_sparse.sim import cost_model, synthetic_trace
 from sglang_sparse.sim.common import prepare_requests
 from sglang_sparse.sim.simulator import _serve, _snapshot, warm_replay_score
@@ -45,20 +46,36 @@ def _chain_snapshot(depth: int = DEPTH) -> TreeSnapshot:
     p = 0
     for i in range(depth):
         end = EDGE * (i + 1)
+        p = b.add_node(p, [i % 7 + 1, 9], checkpoints={end: i} if i % 3 == 2 else None, last_access=i + 1)
+    return b.build()
+
+
+def _plans_equal(a: PlanTable, b: PlanTable) -> None:
+    """Assert two plan tables hold the same entries (histograms bit-exact) and configuration."""
+    assert (a.gamma, a.refresh, a.plan_budget, a.grid) == (b.gamma, b.refresh, b.plan_budget, b.grid)
+    assert a.entries.keys() == b.entries.keys()
+    for u, x in a.entries.items():
+        y = b.entries[u]
+        assert (x.plan, x.fresh) == (y.plan, y.fresh), u
+        hx, hy = x.hist, y.hist
+        assert (hx is None) == (hy is None), u
+        if hx is not None:
+            assert list(hx._bins.items()) == list(hy._bins.items()), u  # noqa: SLF001 - exact
+            assert (hx._scale, hx._since_refresh, hx._n) == (hy._scale, hy._since_refresh, hy._n)  # noqa: SLF001
+
+
+def _chain_plans(depth: int = DEPTH) -> PlanTable:
+    """The chain's plan table (node uids 2 .. depth + 1): every edge mature, every past request
+    continued the session past it, so each plans its end."""
+    table = PlanTable()
+    for i in range(depth):
+        end = EDGE * (i + 1)
         hist = DepthHistogram(0.99, 10)
         for _ in range(12):
             hist.observe(end)
         hist.mark_refreshed()
-        p = b.add_node(
-            p,
-            [i % 7 + 1, 9],
-            checkpoints={end: i} if i % 3 == 2 else None,
-            last_access=i + 1,
-            hist=hist,  # a mature edge: every past request continued the session past it
-            plan=(end,),
-            plan_fresh=True,
-        )
-    return b.build()
+        table.entries[i + 2] = EdgePlan(hist, (end,), True)
+    return table.snapshot()
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +111,16 @@ def test_deep_chain_cache_is_tuned_from_its_flat_snapshot(chain: RadixTree) -> N
     path = chain.path_tokens(chain.lru_leaf())
     assert len(path) == EDGE * DEPTH
     budget = chain.bytes_used + 2 * COST.state_bytes + 200 * COST.kv_bytes_per_token  # evicts
-    snap = CacheSnapshot(tree=chain.to_snapshot(), policy="sparse", budget_bytes=budget, cost=COST)
+    plans = _chain_plans()
+    snap = CacheSnapshot(chain.to_snapshot(), "sparse", budget, cost=COST, plans=plans)
     cache = HybridCache.from_snapshot(snap)
     cache.tree.check()
+    assert len(cache.plans.entries) == DEPTH and cache.plans.plan(chain.lru_leaf()) == (EDGE * DEPTH,)
     # copies of the whole cache (tree + evictor + tail prior) are flat as well
     for cp in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
-        assert cp.evictor.tree is cp.tree
+        assert cp.evictor.tree is cp.tree and cp.tree.listener is cp.plans is cp.evictor.plans
         _snap_equal(cp.tree.to_snapshot(), snap.tree)
+        _plans_equal(cp.plans, plans)
     # a small window of continuations of the deep session and a branch half-way up
     rng = np.random.default_rng(0)
     window = []
@@ -116,6 +136,7 @@ def test_deep_chain_cache_is_tuned_from_its_flat_snapshot(chain: RadixTree) -> N
     assert alpha in (0.0, 0.5) and scores[1] == score and scores[0] > 0  # = a replay in this process
     # the snapshot itself was never modified by the replays
     _snap_equal(snap.tree, chain.to_snapshot())
+    _plans_equal(snap.plans, plans)
 
 
 def _random_ops(cache: HybridCache, prepared: list, rng: np.random.Generator) -> list:
@@ -159,7 +180,9 @@ def test_random_caches_round_trip_to_the_same_future_decisions(seed: int) -> Non
         assert cache.chains.chains and (ref_snap.chain >= 0).any()
     for cp in copies:
         cp.tree.check()
+        assert cp.tree.listener is cp.plans is cp.evictor.plans
         _snap_equal(cp.tree.to_snapshot(), ref_snap)
+        _plans_equal(cp.plans, cache.plans)
         assert cp.alpha == cache.alpha and cp.tail.hist._bins == cache.tail.hist._bins  # noqa: SLF001
         assert _chain_state(cp) == _chain_state(cache)
         assert cp.evictor.chains is cp.chains and cp.evictor.probation is cp.probation
@@ -168,6 +191,7 @@ def test_random_caches_round_trip_to_the_same_future_decisions(seed: int) -> Non
         assert _random_ops(cp, prepared[60:], np.random.default_rng(seed + 100)) == expected
         cp.tree.check()
         _snap_equal(cp.tree.to_snapshot(), cache.tree.to_snapshot())
+        _plans_equal(cp.plans, cache.plans)
         assert _chain_state(cp) == _chain_state(cache)
 
 

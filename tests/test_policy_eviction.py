@@ -74,7 +74,14 @@ def pair(
     new.alpha = alpha
     ref = copy.deepcopy(new)
     ref.evictor = ReferenceEvictor(
-        ref.tree, cfg, COST, alpha, capacity_bytes=budget, probation=ref.probation, chains=ref.chains
+        ref.tree,
+        cfg,
+        COST,
+        alpha,
+        capacity_bytes=budget,
+        probation=ref.probation,
+        chains=ref.chains,
+        plans=ref.plans,
     )
     assert type(new.evictor) is Evictor
     return new, ref
@@ -96,7 +103,7 @@ def dump(cache: HybridCache) -> tuple:
             n.last_access,
             n.lock_ref,
             n.version,
-            n.plan,
+            cache.plans.plan(n),
             n.seq_end,
             n.chain,
         )

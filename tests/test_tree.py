@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from sglang_sparse.placement import DepthLaw, grid_candidates, solve_dp
+from sglang_sparse.policy.plan_table import PlanTable, _merge_hist, _split_hist
 from sglang_sparse.tree import RadixTree
 
 
@@ -96,31 +97,33 @@ def test_merge_with_child_concatenates():
 
 
 def test_observe_feeds_histograms_and_plans_on_grid():
-    t = mk(refresh=3, plan_budget=2, grid=4)
+    t = mk()
+    t.listener = plans = PlanTable(refresh=3, plan_budget=2, grid=4)
     t.insert(list(range(40)), None, {})
     for d in (9, 9, 21, 21, 30):
         seq = list(range(d)) + [1000 + d]
         m = t.match(seq)
         assert m.kv_depth == d
-        t.observe(m)
+        plans.observe(t, m)
     node = t.root.children[0]
-    assert node.hist.observations == 5 and node.last_access == t.clock
-    assert set(node.plan) <= {8, 20} | set(range(4, 41, 4))
+    assert plans.hist(node).observations == 5 and node.last_access == t.clock
+    assert set(plans.plan(node)) <= {8, 20} | set(range(4, 41, 4))
     m = t.match(list(range(30)) + [5000])
-    caps = t.planned_captures(m)
+    caps = plans.planned_captures(t, m)
     assert all(0 < p <= 30 for p in caps) and caps
 
 
 def test_ancestors_observe_their_end_depth():
-    t = mk(refresh=100)
+    t = mk()
+    t.listener = plans = PlanTable(refresh=100)
     t.insert([1, 2, 3, 4], None)
     t.insert([1, 2, 9, 9], None)
     m = t.match([1, 2, 3, 4, 5])
-    t.observe(m)
+    plans.observe(t, m)
     up = t.root.children[1]
-    d, w = up.hist.items()
+    d, w = plans.hist(up).items()
     assert d.tolist() == [2]  # clipped to the ancestor's end
-    d, w = up.children[3].hist.items()
+    d, w = plans.hist(up.children[3]).items()
     assert d.tolist() == [4]
 
 
@@ -308,7 +311,7 @@ def test_eviction_index_tracks_leaves_locks_and_recency():
     up = t.root.children[1]
     assert t.evictable_leaves == {r1.node, r2.node, r3.node} and t.evictable_ckpt_nodes == {up}
     assert list(t.iter_lru_leaves()) == [r1.node, r2.node, r3.node] and t.lru_leaf() is r1.node
-    t.observe(t.match([1, 2, 3]))  # r1 becomes the most recent
+    t.touch(t.match([1, 2, 3]))  # r1 becomes the most recent
     assert list(t.iter_lru_leaves()) == [r2.node, r3.node, r1.node]
     t.lock(r2.node)
     assert r2.node not in t.evictable_leaves and up not in t.evictable_ckpt_nodes
@@ -323,8 +326,8 @@ def test_eviction_index_tracks_leaves_locks_and_recency():
     t.drop_checkpoint(up, 2)
     t.check()
     for _ in range(200):  # heap stays compact under churn
-        t.observe(t.match([5, 6]))
-        t.observe(t.match([1, 2]))
+        t.touch(t.match([5, 6]))
+        t.touch(t.match([1, 2]))
     assert len(t.leaf_heap) <= 2 * len(t.evictable_leaves) + 64
     t.check()
     while (leaf := t.lru_leaf()) is not None:
@@ -360,7 +363,6 @@ def test_split_merge_cycles_keep_observation_count() -> None:
     """An edge split and merged again (a live session's path, turn after turn) keeps its
     observation count: a sum on merge doubled it every cycle and overflowed int64 in snapshots."""
     from sglang_sparse.placement.histogram import DepthHistogram
-    from sglang_sparse.tree.radix import _merge_hist, _split_hist
 
     h = DepthHistogram(0.99, 10)
     for d in (64, 128, 128, 300):

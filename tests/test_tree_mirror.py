@@ -13,6 +13,7 @@ import pytest
 
 from sglang_sparse.policy import HybridCache
 from sglang_sparse.policy.eviction import CKPT
+from sglang_sparse.policy.plan_table import EdgePlan, PlanTable
 from sglang_sparse.sglang_adapter.config import SparseConfig
 from sglang_sparse.sglang_adapter.tree_policy import TreePolicy
 from sglang_sparse.sim import cost_model
@@ -347,16 +348,17 @@ def test_structural_edge_ends_are_not_planned() -> None:
     t.add_node(1, 0, 256, 11)  # (0, 256]: a boundary left by an old chunk-end state
     t.add_node(2, 1, 344, 12)  # (256, 600]
     a = t.node(1)
-    a.plan, t.node(2).plan = (256,), (448,)
+    plans = PlanTable()
+    plans.entries = {1: EdgePlan(plan=(256,)), 2: EdgePlan(plan=(448,))}
     m = t.match_result(2, 500, 0)
-    assert t.planned_captures(m) == [448]  # 256 is structural: skipped
+    assert plans.planned_captures(t, m) == [448]  # 256 is structural: skipped
     # the simulator's tree plans edge ends (its edges end only at branches and sequence ends)
-    assert RadixTree._plans_edge_end(t, a) and not t._plans_edge_end(a)  # noqa: SLF001
+    assert RadixTree.edge_ends_diverge and not t.edge_ends_diverge
     a.seq_end = True  # a sequence ended at 256: a real stopping point
-    assert t.planned_captures(m) == [256, 448]
+    assert plans.planned_captures(t, m) == [256, 448]
     a.seq_end = False
     t.add_node(3, 1, 100, 13)  # a second child: 256 is a branch point
-    assert t.planned_captures(t.match_result(2, 500, 0)) == [256, 448]
+    assert plans.planned_captures(t, t.match_result(2, 500, 0)) == [256, 448]
 
 
 def test_a_match_that_ends_on_an_edge_end_plans_that_branch_point() -> None:
@@ -366,11 +368,12 @@ def test_a_match_that_ends_on_an_edge_end_plans_that_branch_point() -> None:
     t = MirrorTree(KV_B, STATE_B, root_id=0)
     t.add_node(1, 0, 300, 11)  # (0, 300]: SGLang's split where the match ends
     t.add_node(2, 1, 40, 12)  # (300, 340]: the earlier request's tail, the only child so far
-    t.node(1).plan = (256, 300)
-    assert t.planned_captures(t.match_result(1, 300, 0)) == [256, 300]
+    plans = PlanTable()
+    plans.entries[1] = EdgePlan(plan=(256, 300))
+    assert plans.planned_captures(t, t.match_result(1, 300, 0)) == [256, 300]
     # a match that passes through the same boundary to a deeper depth: structural, skipped
-    t.node(2).plan = (320,)
-    assert t.planned_captures(t.match_result(2, 330, 0)) == [256, 320]
+    plans.entries[2] = EdgePlan(plan=(320,))
+    assert plans.planned_captures(t, t.match_result(2, 330, 0)) == [256, 320]
 
 
 def test_a_first_sight_guess_gives_way_to_the_exact_divergence_it_led_to() -> None:

@@ -10,8 +10,8 @@ output tokens; positions ``<= len(input)`` are captured during prefill, deeper o
   new branch (its input continues past the KV match and the match does not end at a leaf's end), plus
   the state after the last token (``total_len``).
 * ``block``: every multiple of ``block`` tokens (vLLM-style, independent of the tree).
-* ``dp``: the DP plans of the edges on the matched path (:meth:`RadixTree.planned_captures`), plus
-  the last-token state.
+* ``dp``: the DP plans of the edges on the matched path
+  (:meth:`~.plan_table.PlanTable.planned_captures`), plus the last-token state.
 * ``dp_marconi``: union of ``dp`` and ``marconi``.
 * ``sparse`` (the product): ``dp`` on the matched path + the Marconi branch point + the positions a
   learned :class:`~sglang_sparse.policy.tail_prior.TailPrior` chooses on the new leaf
@@ -37,6 +37,7 @@ from __future__ import annotations
 from sglang_sparse.placement import DEFAULT_GRID
 from sglang_sparse.tree import CheckpointTree, MatchResult
 
+from .plan_table import PlanTable
 from .tail_prior import TailPrior
 
 ADMISSIONS = ("marconi", "block", "dp", "dp_marconi", "sparse")
@@ -63,6 +64,7 @@ def marconi_branch_point(match: MatchResult, input_len: int, grid: int = DEFAULT
 def capture_positions(
     kind: str,
     tree: CheckpointTree,
+    plans: PlanTable,
     match: MatchResult,
     input_len: int,
     total_len: int,
@@ -100,7 +102,7 @@ def capture_positions(
         b = marconi_branch_point(match, input_len, bgrid)
         if b is not None and b >= grid:  # a branch in a shared header saves too little per state
             pos.add(b)
-        learned = set(tree.planned_captures(match))
+        learned = set(plans.planned_captures(tree, match))
         if tail.observations < warmup:
             pos.add(total_len)
         else:
@@ -125,5 +127,5 @@ def capture_positions(
             if b is not None:
                 pos.add(b)
         if kind in ("dp", "dp_marconi"):
-            pos.update(tree.planned_captures(match))
+            pos.update(plans.planned_captures(tree, match))
     return sorted(p for p in pos if lo < p <= total_len)

@@ -38,13 +38,14 @@ from sglang_sparse.tree import (
     TreeSnapshot,
     sequence_leaf,
 )
-from sglang_sparse.tree.radix import LawProvider, Tokens
+from sglang_sparse.tree.lcp import Tokens
 
 from .admission import capture_positions, marconi_branch_point
 from .chains import ChainTracker
 from .cost_model import ModelCostModel
 from .eviction import Evictor
 from .eviction_index import PROBATION, SPARE
+from .plan_table import LawProvider, PlanTable
 from .probation import DEFAULT_PROBATION_BUDGET, ProbationPlanner
 from .registry import PolicySpec, get_policy
 from .tail_prior import TailPrior
@@ -68,16 +69,17 @@ class CacheSnapshot:
     """Flat, picklable state of a :class:`HybridCache` (no node objects, nothing recursive in depth).
 
     ``tree``: the radix tree (:class:`~sglang_sparse.tree.TreeSnapshot`; it also carries
-    ``kv_bytes_per_token``/``state_bytes`` in bytes and ``gamma``/``refresh``/``plan_budget``/
-    ``grid``); ``policy``: the policy name or spec; ``budget_bytes`` (bytes, KV + states);
-    ``cost``: the cost model (``None`` for policies that are not FLOP-aware); ``alpha``: the
-    eviction weight in use (>= 0); ``min_cut_gain`` and ``branch_grid`` (tokens; ``None``: the
-    tree's grid); ``tail``: the learned
-    :class:`TailPrior` (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None``:
-    derived from the budget); ``probation``: the state handles on probation and ``prober`` the
-    learned :class:`~.probation.ProbationPlanner` (``None`` = a fresh one); ``chains``: the online
-    sessions (:class:`~.chains.ChainTracker`; ``None`` = a fresh one; the nodes' chain ids are in
-    ``tree``). Engines that keep their own tree build ``tree`` with
+    ``kv_bytes_per_token``/``state_bytes`` in bytes); ``plans``: the per-edge histograms and plans by
+    node uid (a :meth:`~.plan_table.PlanTable.snapshot`; it also carries ``gamma``/``refresh``/
+    ``plan_budget``/``grid``; ``None``: none observed yet, default configuration); ``policy``: the
+    policy name or spec; ``budget_bytes`` (bytes, KV + states); ``cost``: the cost model (``None`` for
+    policies that are not FLOP-aware); ``alpha``: the eviction weight in use (>= 0); ``min_cut_gain``
+    and ``branch_grid`` (tokens; ``None``: the tree's grid); ``tail``: the learned :class:`TailPrior`
+    (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None``: derived from the
+    budget); ``probation``: the state handles on probation and ``prober`` the learned
+    :class:`~.probation.ProbationPlanner` (``None`` = a fresh one); ``chains``: the online sessions
+    (:class:`~.chains.ChainTracker`; ``None`` = a fresh one; the nodes' chain ids are in ``tree``).
+    Engines that keep their own tree build ``tree`` with
     :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest from their config.
     """
 
@@ -94,6 +96,7 @@ class CacheSnapshot:
     tail_states: Mapping[Any, None] = field(default_factory=dict)
     prober: ProbationPlanner | None = None
     chains: ChainTracker | None = None
+    plans: PlanTable | None = None
 
 
 class HybridCache:
@@ -124,6 +127,7 @@ class HybridCache:
         branch_grid: int | None = None,
         tail_grid: int | None = None,
         tree: CheckpointTree | None = None,
+        plans: PlanTable | None = None,
     ) -> None:
         self.spec = get_policy(policy)
         if tree is not None:  # its sizes are the sizes
@@ -153,16 +157,13 @@ class HybridCache:
         self.cost = cost
         #: the tree the policy runs on: a :class:`RadixTree` built here (the simulator's), or the one
         #: given (an engine's mirror, or a tree rebuilt from a snapshot)
-        self.tree: CheckpointTree = tree or RadixTree(
-            kv_bytes_per_token,
-            state_bytes,
-            kv_ops=kv_ops,
-            gamma=gamma,
-            refresh=refresh,
-            plan_budget=plan_budget,
-            grid=grid,
-            law_provider=law_provider,
+        self.tree: CheckpointTree = tree or RadixTree(kv_bytes_per_token, state_bytes, kv_ops=kv_ops)
+        #: the per-edge depth histograms and DP plans, by node uid (the given table, or a new one
+        #: from ``gamma``/``refresh``/``plan_budget``/``grid``/``law_provider``); it listens to the tree
+        self.plans = plans or PlanTable(
+            gamma=gamma, refresh=refresh, plan_budget=plan_budget, grid=grid, law_provider=law_provider
         )
+        self.tree.listener = self.plans
         self.grid = grid
         if branch_grid is not None and branch_grid < 1:
             raise ValueError(f"branch_grid must be >= 1, got {branch_grid}")
@@ -208,6 +209,7 @@ class HybridCache:
             capacity_bytes=self.budget_bytes,
             probation=self.probation,
             chains=self.chains,
+            plans=self.plans,
         )
 
     # ------------------------------------------------------------------ flat snapshot
@@ -228,6 +230,7 @@ class HybridCache:
             tail_states=dict(self.tail_states),
             prober=copy.deepcopy(self.prober),
             chains=copy.deepcopy(self.chains),
+            plans=self.plans.snapshot(),
         )
 
     @classmethod
@@ -241,6 +244,7 @@ class HybridCache:
         """A cache equal to the one ``snap`` describes (same future decisions); ``snap`` is not
         modified and can be reused (each call builds an independent cache)."""
         t = snap.tree
+        p = snap.plans if snap.plans is not None else PlanTable()
         cache = cls(
             snap.policy,
             budget_bytes=snap.budget_bytes,
@@ -250,14 +254,15 @@ class HybridCache:
             alpha=snap.alpha,
             kv_ops=kv_ops,
             law_provider=law_provider,
-            gamma=t.gamma,
-            refresh=t.refresh,
-            plan_budget=t.plan_budget,
-            grid=t.grid,
+            gamma=p.gamma,
+            refresh=p.refresh,
+            plan_budget=p.plan_budget,
+            grid=p.grid,
             min_cut_gain=snap.min_cut_gain,
             fit_tokens=snap.fit_tokens,
             branch_grid=snap.branch_grid,
-            tree=RadixTree.from_snapshot(t, kv_ops=kv_ops, law_provider=law_provider),
+            tree=RadixTree.from_snapshot(t, kv_ops=kv_ops),
+            plans=p.with_law(law_provider),
         )
         if snap.tail is not None:
             cache.tail = copy.deepcopy(snap.tail)
@@ -316,7 +321,7 @@ class HybridCache:
         self.promote(match)
         cont = self.chains.continuation(match)
         before = cont.last_access if cont is not None else 0
-        self.tree.observe(match)
+        self.plans.observe(self.tree, match)
         if cont is not None:
             known = cont.chain >= 0
             self.chains.arrive(cont, self.tree.clock, before)
@@ -387,6 +392,7 @@ class HybridCache:
         pos = capture_positions(
             self.spec.admission,
             self.tree,
+            self.plans,
             match,
             input_len,
             total,

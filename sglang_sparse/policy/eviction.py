@@ -92,6 +92,7 @@ import numpy as np
 from sglang_sparse.tree import CheckpointTree, Freed, Node
 
 from .eviction_index import CKPT, LEAF, NODE_STATES, CandidateIndex, ChainClock, Terms, candidate_score
+from .plan_table import PlanTable
 
 if TYPE_CHECKING:
     from sglang_sparse.policy.cost_model import ModelCostModel
@@ -164,6 +165,7 @@ class CandidateTerms:
         capacity_bytes: int | None = None,
         probation: Mapping[Any, int] | None = None,
         chains: ChainTracker | None = None,
+        plans: PlanTable | None = None,
     ):
         if alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
@@ -184,6 +186,8 @@ class CandidateTerms:
         #: online sessions (shared with the owner): with ``config.chain_recency`` a candidate on a
         #: chain takes its recency from the chain's due tick (:func:`~.eviction_index.effective_recency`)
         self.chains = chains
+        #: the per-edge depth laws (shared with the owner; read by ``value='law'``; ``None``: empty)
+        self.plans = PlanTable() if plans is None else plans
 
     def _unservable(self, pos: int) -> bool:
         """Whether a checkpoint at depth ``pos`` can never be resumed from: its path KV plus the
@@ -203,7 +207,7 @@ class CandidateTerms:
         per_hit = self.cost.node_flops_saved(pos, fb)
         if self.config.value == "marconi":
             return per_hit
-        d, w = self.tree.edge_law(node)
+        d, w = self.plans.edge_law(node, self.tree)
         ck = node.checkpoints
         i = ck.bisect_right(pos)
         nxt = ck.peekitem(i)[0] if i < len(ck) else None

@@ -217,15 +217,7 @@ class TreePolicy:
 
     def reset(self, root_id: int) -> None:
         """Forget everything cached (SGLang ``reset`` / ``flush_cache``); counters and alpha stay."""
-        mirror = MirrorTree(
-            self._kv_bytes,
-            self._state_bytes,
-            root_id=root_id,
-            gamma=self.config.gamma,
-            refresh=self.config.refresh,
-            plan_budget=self.config.edge_budget,
-            grid=self.config.grid,
-        )
+        mirror = MirrorTree(self._kv_bytes, self._state_bytes, root_id=root_id)
         self.mirror = mirror
         self.cache = self._hybrid_cache(mirror)
         mirror.on_change = self.cache.evictor.touch
@@ -687,15 +679,7 @@ class TreePolicy:
         (``HybridCache.from_snapshot`` builds an independent simulator cache per replay).
         Iterative; the engine lists parents before children."""
         src = self.mirror
-        b = TreeSnapshotBuilder(
-            self._kv_bytes,
-            self._state_bytes,
-            gamma=self.config.gamma,
-            refresh=self.config.refresh,
-            plan_budget=self.config.edge_budget,
-            grid=self.config.grid,
-            root_uid=src.root.uid,
-        )
+        b = TreeSnapshotBuilder(self._kv_bytes, self._state_bytes, root_uid=src.root.uid)
         index = {src.root.uid: 0}
         for nid, pid, key, _ in engine_nodes:
             m = src.get(nid)
@@ -708,9 +692,6 @@ class TreePolicy:
                 ckpt_access=dict(m.ckpt_access),
                 last_access=m.last_access,
                 uid=nid,
-                hist=m.hist,
-                plan=m.plan,
-                plan_fresh=m.plan_fresh,
                 seq_end=m.seq_end,
                 chain=m.chain,
             )
@@ -727,6 +708,7 @@ class TreePolicy:
             chains=copy.deepcopy(self.cache.chains),
             probation=dict(self.cache.probation),
             prober=copy.deepcopy(self.cache.prober),
+            plans=self.cache.plans.snapshot(index),
         )
 
     # ------------------------------------------------------------------ stats

@@ -60,7 +60,7 @@ class FutureIndex:
 
     def __init__(self, requests: Sequence[SimRequest]) -> None:
         self.n = len(requests)
-        trie = RadixTree(0, 1, plan_budget=0)
+        trie = RadixTree(0, 1)
         inputs = [as_tokens(r.input_tokens) for r in requests]
         for inp in inputs:
             if len(inp):

@@ -57,7 +57,7 @@ class StateCatalog:
         self.grid = int(grid)
         self.prepared = prepare_requests(requests)
         self.future = FutureIndex(requests)
-        inf = RadixTree(0, 1, plan_budget=0)
+        inf = RadixTree(0, 1)
         for _, full in self.prepared:
             if len(full):
                 inf.insert(full)
@@ -95,7 +95,7 @@ class StateCatalog:
         sequence (input + output), i.e. where it diverges from everything seen before (tokens)."""
         got = getattr(self, "_divergence", None)
         if got is None:
-            seen = RadixTree(0, 1, plan_budget=0)
+            seen = RadixTree(0, 1)
             got = np.zeros(len(self.prepared), dtype=np.int64)
             for j, (inp, full) in enumerate(self.prepared):
                 got[j] = seen.match(inp).kv_depth if len(inp) else 0

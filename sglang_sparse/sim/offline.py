@@ -129,7 +129,7 @@ class OfflineCache:
         self.grid = grid
         #: the deepest state position whose prefix KV fits next to the state (tokens)
         self.fit_tokens = (self.budget_bytes - self.sb) // self.kvb
-        self.tree = RadixTree(self.kvb, self.sb, plan_budget=0)
+        self.tree = RadixTree(self.kvb, self.sb)
         self.info: dict[int, StateInfo] = {}
         self._ids = itertools.count(1)
         self._next = 0

@@ -32,7 +32,7 @@ class OracleLaw:
     """Callable law provider ``(node, live_tree) -> (depths, weights)`` for :class:`RadixTree`."""
 
     def __init__(self, requests: Sequence[SimRequest]) -> None:
-        inf = RadixTree(0, 1, plan_budget=0)
+        inf = RadixTree(0, 1)
         depths = []
         for inp, full in prepare_requests(requests):
             depths.append(inf.match(inp).kv_depth)

@@ -3,13 +3,14 @@
 Modules: :mod:`.lcp` (prefix-comparison kernels), :mod:`.lru` (the LRU heap of evictable leaves),
 :mod:`.node` (nodes and checkpoint maps), :mod:`.radix` (:class:`CheckpointTree`, the structure,
 and :class:`RadixTree`, the token tree), :mod:`.mirror` (SGLang's tree without tokens),
-:mod:`.snapshot` (flat copies).
+:mod:`.snapshot` (flat copies). Mechanism only: per-node policy state (histograms, plans) lives in
+the policy's plan table, which listens to the structural events (:class:`TreeListener`).
 """
 
 from .lcp import as_tokens
 from .mirror import MirrorError, MirrorTree, Span
 from .node import CheckpointMap, Node, sequence_leaf
-from .radix import CheckpointTree, Freed, InsertResult, KVOps, MatchResult, RadixTree
+from .radix import CheckpointTree, Freed, InsertResult, KVOps, MatchResult, RadixTree, TreeListener
 from .snapshot import SnapshotError, TreeSnapshot, TreeSnapshotBuilder
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "RadixTree",
     "SnapshotError",
     "Span",
+    "TreeListener",
     "TreeSnapshot",
     "TreeSnapshotBuilder",
     "as_tokens",

@@ -1,14 +1,14 @@
 """A token-free mirror of an engine's radix tree, driven by the engine's structural events.
 
-The serving engine (SGLang's ``UnifiedTreeCore``) owns the real tree: token keys, KV indices,
-state slots, locks. The policy (per-edge depth histograms and DP plans, checkpoint recency, the
-eviction scorer's candidate index, the tail prior) needs the tree's *shape* only: which node hangs
-under which, each edge's depth span ``(start, end]``, which nodes hold a recurrent state. A
-:class:`MirrorTree` is a :class:`~sglang_sparse.tree.radix.CheckpointTree` (the structure every
-policy function runs on, unchanged; no token matching) whose nodes are created, split and removed
-by the engine's events, keyed by the engine's node ids, and that holds **no token sequence**: a
-node's ``key`` is a :class:`Span` (edge length + first token, for the ``children`` dict). Memory
-is O(nodes), independent of prompt lengths.
+The serving engine (SGLang's ``UnifiedTreeCore``) owns the real tree: token keys, KV indices, state
+slots, locks. The policy (per-edge depth histograms and DP plans, kept in its plan table by node id;
+checkpoint recency, the eviction scorer's candidate index, the tail prior) needs the tree's *shape*
+only: which node hangs under which, each edge's depth span ``(start, end]``, which nodes hold a
+recurrent state. A :class:`MirrorTree` is a :class:`~sglang_sparse.tree.radix.CheckpointTree` (the
+structure every policy function runs on, unchanged; no token matching) whose nodes are created,
+split and removed by the engine's events, keyed by the engine's node ids, and that holds **no token
+sequence**: a node's ``key`` is a :class:`Span` (edge length + first token, for the ``children``
+dict). Memory is O(nodes), independent of prompt lengths.
 
 Correspondence (an invariant; :meth:`MirrorTree.check_against` verifies it against a description of
 the engine's tree):
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .node import Node
-from .radix import CheckpointTree, MatchResult, _make_match, split_node_state
+from .radix import CheckpointTree, MatchResult, _make_match
 
 
 class Span:
@@ -105,33 +105,25 @@ class MirrorTree(CheckpointTree):
     def reset(self, root_id: int) -> None:
         """Forget every node (the engine rebuilt its tree with root ``root_id``); keeps the
         configuration and the logical clock."""
-        clock, uid = self.clock, self._uid
-        CheckpointTree.__init__(
-            self,
-            self.kv_bytes_per_token,
-            self.state_bytes,
-            kv_ops=self.kv_ops,
-            gamma=self.gamma,
-            refresh=self.refresh,
-            plan_budget=self.plan_budget,
-            grid=self.grid,
-            law_provider=self.law_provider,
-        )
-        self.clock, self._uid = clock, uid
+        clock, uid, listener = self.clock, self._uid, self.listener
+        CheckpointTree.__init__(self, self.kv_bytes_per_token, self.state_bytes, kv_ops=self.kv_ops)
+        self.clock, self._uid, self.listener = clock, uid, listener
         self._set_root(root_id)
+        if listener is not None:
+            listener.on_reset()
+
+    #: Not every edge end is a divergence point (``PlanTable.planned_captures`` captures none at
+    #: the end of a *structural* edge): an engine's tree (SGLang's) splits an edge at every state it
+    #: ever inserted, and keeps the boundary when the state is evicted, so a chain of short
+    #: single-child edges ends at old state positions. Every request passing through such an edge
+    #: counts at its end (pass-through mass), which the per-edge DP always plans, so each old state
+    #: position would come back as a planned state (a chunk-size-dependent set: the pool churn of
+    #: issue 20). An edge end that is neither a branch point (several children) nor where a
+    #: sequence ended (``seq_end``) is no divergence point; positions inside edges, branch points
+    #: and sequence ends are kept.
+    edge_ends_diverge = False
 
     # ------------------------------------------------------------------ lookup
-
-    def _plans_edge_end(self, node: Node) -> bool:
-        """No capture at the end of a *structural* edge (:meth:`CheckpointTree.planned_captures`): an
-        engine's tree (SGLang's) splits an edge at every state it ever inserted, and keeps the
-        boundary when the state is evicted, so a chain of short single-child edges ends at old state
-        positions. Every request passing through such an edge counts at its end (pass-through
-        mass), which the per-edge DP always plans, so each old state position would come back as a
-        planned state (a chunk-size-dependent set: the pool churn of issue 20). An edge end that is
-        neither a branch point (several children) nor where a sequence ended (``seq_end``) is no
-        divergence point; positions inside edges, branch points and sequence ends are kept."""
-        return len(node.children) != 1 or node.seq_end
 
     def node(self, node_id: int) -> Node:
         """The mirror node of engine node ``node_id`` (:class:`MirrorError` if unknown)."""
@@ -191,7 +183,7 @@ class MirrorTree(CheckpointTree):
         node.start = at
         node.parent = up
         up.children[node.key.first] = node
-        split_node_state(node, up, at)  # (states stay below: the engine keeps them at node ends)
+        self._split_state(node, up, at)  # (states stay below: the engine keeps them at node ends)
         self.by_id[up.uid] = up
         if up.uid > self._uid:
             self._uid = up.uid
@@ -223,6 +215,8 @@ class MirrorTree(CheckpointTree):
         if parent.parent is not None and not parent.children:
             self.leaves.add(parent)
         self._sync_evictable(parent)
+        if self.listener is not None:
+            self.listener.on_remove(node)
         self._changed(node, parent)
         return node
 

@@ -15,8 +15,6 @@ view of a caller's array). Invariants (checked by :meth:`RadixTree.check`):
 * ``version`` is bumped whenever the edge's identity changes (its ``key``/``start``/``parent`` after a
   split or merge, or death): a :class:`~sglang_sparse.tree.MatchResult` recorded with the same
   versions still describes a valid path (used by ``RadixTree.insert(..., hint=match)``).
-* ``plan_fresh``: every depth the edge observed since its last re-plan was its ``end`` and the plan
-  holds ``end``; re-solving would return the same plan (see :meth:`RadixTree.observe`).
 * ``seq_end``: an inserted sequence ended exactly at ``end`` (the last node of an insert; a node
   that only exists because a split or a cut-back made it end there is not one). The tail prior
   learns suffix distances only from such leaves: a leaf cut back to a state is not where any
@@ -38,8 +36,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-
-from sglang_sparse.placement import DepthHistogram
 
 EMPTY_KEY = np.empty(0, dtype=np.int32)
 
@@ -190,9 +186,6 @@ class Node:
         "ckpt_access",
         "lock_ref",
         "last_access",
-        "hist",
-        "plan",
-        "plan_fresh",
         "version",
         "alive",
         "heap_key",
@@ -216,9 +209,6 @@ class Node:
         self.ckpt_access: dict[int, int] = {}
         self.lock_ref = 0
         self.last_access = clock
-        self.hist: DepthHistogram | None = None
-        self.plan: tuple[int, ...] = ()
-        self.plan_fresh = False
         self.version = 0
         self.alive = True
         self.heap_key = -1

@@ -5,9 +5,9 @@ The tree is the *mechanism*; which checkpoints to capture and what to evict is d
 
 * :meth:`RadixTree.match` is **pure** (no splits, no clock, no recency update) so the scheduler may
   call it any number of times per request.
-* :meth:`RadixTree.observe` is the separate, explicit "this request was admitted with this match"
-  call: it advances the logical clock, refreshes recency, feeds the per-edge depth histograms and
-  re-plans edges whose histogram is due.
+* :meth:`RadixTree.touch` is the separate, explicit "this request was admitted with this match"
+  call: it advances the logical clock and refreshes recency (the policy's plan table then feeds the
+  per-edge depth histograms: :mod:`sglang_sparse.policy.plan_table`).
 * :meth:`RadixTree.insert` returns the KV slices and state handles it did *not* take (duplicates of
   what is already cached) so the caller frees them (SGLang ``cache_finished_req`` semantics).
 * :meth:`RadixTree.lock` / :meth:`RadixTree.unlock` mirror ``inc_lock_ref`` / ``dec_lock_ref``.
@@ -28,23 +28,17 @@ evictor does not enumerate every node.
 Units: depths/positions/lengths in **tokens** (absolute from the root), memory in **bytes**. The tree
 holds ``kv_tokens * kv_bytes_per_token + num_states * state_bytes`` bytes (:attr:`bytes_used`).
 
-Depth observations (what each edge's histogram sees). A request whose KV match reaches depth
-``d`` observes ``d`` on the edge ``(a, b]`` containing ``d``; every strict ancestor edge
-``(a', b']`` observes ``b'`` (its end, i.e. the depth clipped to the edge). Rationale: within the
-per-edge model an edge's origin (its start) is assumed to be a free resume point; for an ancestor,
-the best place to serve traffic that continues below it is its end, which is exactly where the
-ancestor's DP then puts a checkpoint, making the assumption true for its children.
+Per-node policy state (depth histograms, plans) is not here: a :class:`TreeListener` (the
+policy's plan table) hears every split, merge and removal and keeps it by node ``uid``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-
-from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram, grid_candidates, solve_dp
 
 from .lcp import Tokens, as_tokens, lcp_near, same_prefix, walk
 from .lru import LeafHeap
@@ -157,84 +151,33 @@ class Freed:
         self.bytes += other.bytes
 
 
-def _split_hist(h: DepthHistogram, at: int) -> tuple[DepthHistogram, DepthHistogram]:
-    """Split an edge histogram at depth ``at``: depths ``<= at`` go up, deeper ones go down and also
-    count as pass-through mass at ``at`` on the upper part (the ancestor rule of this module)."""
-    up = DepthHistogram(h.gamma, h.refresh)
-    down = DepthHistogram(h.gamma, h.refresh)
-    d, w = h.items()
-    for hh, bins in ((up, {}), (down, {})):
-        hh._n = h.observations  # noqa: SLF001 - placement exposes no split; documented open problem
-        hh._since_refresh = h.refresh  # re-plan both halves at the next observation
-        hh._bins = bins
-    for di, wi in zip(d.tolist(), w.tolist(), strict=True):
-        if di <= at:
-            up._bins[di] = up._bins.get(di, 0.0) + wi
-        else:
-            up._bins[at] = up._bins.get(at, 0.0) + wi
-            down._bins[di] = wi
-    return up, down
+class TreeListener(Protocol):
+    """What a tree tells the owner of per-node policy state (the policy's plan table) about its
+    structure; every mutation of a node's identity is one of these events, for every tree class."""
 
+    def on_split(self, lower: Node, upper: Node, at: int) -> None:
+        """``upper`` (new) took the part of ``lower``'s edge up to depth ``at`` (tokens)."""
 
-def _merge_hist(upper: DepthHistogram | None, lower: DepthHistogram | None, at: int) -> DepthHistogram | None:
-    """Histogram of a merged edge: the lower edge's depths plus the upper edge's depths ``< at`` (its
-    mass at ``at`` is pass-through mass that the lower edge already records at the true depths)."""
-    if upper is None:
-        return lower
-    merged = DepthHistogram(upper.gamma, upper.refresh)
-    # every observation of the lower edge passed through the upper one (the ancestor rule), so the
-    # merged edge saw max(...) of them; a sum doubles on every split/merge cycle of a live session
-    merged._n = max(upper.observations, lower.observations if lower else 0)  # noqa: SLF001
-    merged._since_refresh = merged.refresh  # noqa: SLF001
-    bins: dict[int, float] = {}
-    d, w = upper.items()
-    for di, wi in zip(d.tolist(), w.tolist(), strict=True):
-        if di < at:
-            bins[di] = wi
-    if lower is not None:
-        d, w = lower.items()
-        for di, wi in zip(d.tolist(), w.tolist(), strict=True):
-            bins[di] = bins.get(di, 0.0) + wi
-    merged._bins = bins  # noqa: SLF001
-    return merged
+    def on_merge(self, upper: Node, child: Node) -> None:
+        """``upper`` is about to be merged into its only ``child`` (which survives)."""
 
+    def on_remove(self, node: Node) -> None:
+        """``node`` left the tree (evicted, or removed by the engine)."""
 
-def split_node_state(node: Node, up: Node, at: int) -> None:
-    """Move the per-edge state of ``node`` at or above depth ``at`` to ``up``, its new upper half:
-    checkpoints (with their clocks) at positions ``<= at``, the histogram (:func:`_split_hist`) and
-    the plan; ``node`` keeps the rest and gets a new ``version``. ``up`` joins ``node``'s chain
-    (the same session's prefix; ``seq_end`` stays below). Shared by every split (the token tree's
-    and the engine-driven mirror's)."""
-    ck = node.checkpoints
-    keys = ck._keys  # noqa: SLF001 - sorted positions
-    while keys and keys[0] <= at:
-        p, h = ck.popitem(0)
-        up.checkpoints[p] = h
-        up.ckpt_access[p] = node.ckpt_access.pop(p)
-    if node.hist is not None:
-        up.hist, node.hist = _split_hist(node.hist, at)
-    if node.plan:
-        up.plan = tuple(p for p in node.plan if p <= at)
-        node.plan = tuple(p for p in node.plan if p > at)
-    node.plan_fresh = False
-    node.version += 1
-    up.chain = node.chain
-
-
-LawProvider = Callable[[Node, "RadixTree"], tuple[np.ndarray, np.ndarray]]
+    def on_reset(self) -> None:
+        """The tree forgot every node."""
 
 
 class CheckpointTree:
     """The structure of a prefix tree with sparse recurrent checkpoints, without tokens: nodes and
-    their edges' lengths, checkpoint sets, byte accounting, locks, the per-edge depth histograms and
-    plans, and the eviction index. :class:`RadixTree` adds the tokens (match and insert);
-    :class:`~sglang_sparse.tree.mirror.MirrorTree` follows an engine's tree by its events.
+    their edges' lengths, checkpoint sets, byte accounting, locks, recency and the eviction index.
+    :class:`RadixTree` adds the tokens (match and insert);
+    :class:`~sglang_sparse.tree.mirror.MirrorTree` follows an engine's tree by its events. Policy
+    state per node (depth histograms, plans) lives outside, in the ``listener``
+    (:class:`TreeListener`) that every split, merge and removal is reported to.
 
     Parameters: ``kv_bytes_per_token`` and ``state_bytes`` (one checkpoint, all recurrent layers)
-    size the byte accounting; ``gamma``/``refresh`` configure each edge's :class:`DepthHistogram`;
-    ``plan_budget`` is the per-edge checkpoint budget ``M`` handed to :func:`solve_dp`; ``grid`` the
-    chunk size of candidate positions; ``law_provider`` (optional) replaces the online histogram by
-    another law source (used by the simulator's oracle).
+    size the byte accounting; ``kv_ops`` splits and joins KV handles.
 
     Eviction index (for :mod:`sglang_sparse.policy.eviction`; maintained by every mutating method,
     checked by :meth:`check`): :attr:`evictable_leaves` (unlocked leaves), :attr:`evictable_ckpt_nodes`
@@ -244,40 +187,21 @@ class CheckpointTree:
     (plus its merge step), never enumerating all nodes. :meth:`node_bytes` is O(1).
     """
 
-    #: Skip a due re-plan of an edge whose observations since its last re-plan were all at its end
-    #: while its plan holds the end (``Node.plan_fresh``): the DP's optimum is then unchanged (the
-    #: end's mass costs nothing to a plan holding the end, and the EW decay scales every other depth
-    #: alike). Ancestors of a match observe their end (see the module docstring), so along a deep
-    #: chain (a long multi-turn session) this removes almost every re-plan of a request. ``False``
-    #: re-solves every time (the differential tests compare both).
-    skip_fresh_replans = True
+    #: Whether every edge end is a divergence point (a branch point or where a sequence ended):
+    #: true where edges are split only there (this token tree); an engine's tree keeps old split
+    #: points (:class:`~sglang_sparse.tree.mirror.MirrorTree`).
+    edge_ends_diverge = True
 
-    def __init__(
-        self,
-        kv_bytes_per_token: int,
-        state_bytes: int,
-        *,
-        kv_ops: KVOps | None = None,
-        gamma: float = 0.99,
-        refresh: int = 10,
-        plan_budget: int = 4,
-        grid: int = DEFAULT_GRID,
-        law_provider: LawProvider | None = None,
-    ) -> None:
+    def __init__(self, kv_bytes_per_token: int, state_bytes: int, *, kv_ops: KVOps | None = None) -> None:
         if kv_bytes_per_token < 0 or state_bytes <= 0:
             raise ValueError(
                 f"need kv_bytes_per_token >= 0 and state_bytes > 0, got {kv_bytes_per_token}, {state_bytes}"
             )
-        if plan_budget < 0:
-            raise ValueError(f"plan_budget must be >= 0 checkpoints per edge, got {plan_budget}")
-        DepthHistogram(gamma, refresh)  # validate early
         self.kv_bytes_per_token = int(kv_bytes_per_token)
         self.state_bytes = int(state_bytes)
         self.kv_ops = kv_ops or KVOps()
-        self.gamma, self.refresh = float(gamma), int(refresh)
-        self.plan_budget = int(plan_budget)
-        self.grid = int(grid)
-        self.law_provider = law_provider
+        #: told of every structural change (``None``: nobody keeps per-node state)
+        self.listener: TreeListener | None = None
         self.clock = 0
         self._uid = 0
         self.root = Node(self._next_uid(), EMPTY_KEY, 0, None, None, 0)
@@ -314,85 +238,24 @@ class CheckpointTree:
         self.clock += 1
         return self.clock
 
-    # ------------------------------------------------------------------ observe
+    # ------------------------------------------------------------------ admitted request
 
-    def observe(self, match: MatchResult) -> list[Node]:
-        """Record an admitted request's match: clock, recency, depth histograms, re-plans.
-
-        Returns the nodes whose plan was recomputed. Call once per request (not per match call).
-        """
+    def touch(self, match: MatchResult) -> bool:
+        """An admitted request's match: advance the clock; if it matched anything, refresh the
+        recency of its path and of the checkpoint it resumes from. Returns whether it matched
+        (``kv_depth > 0``). Call once per request (not per match call); the policy's
+        ``PlanTable.observe`` calls it before feeding the path's histograms."""
         now = self.tick()
-        d = match.kv_depth
-        if d == 0 or not match.path:
-            return []
-        replanned = []
+        if match.kv_depth == 0 or not match.path:
+            return False
         for node in match.path:
             if not node.alive:
                 raise ValueError("stale MatchResult: the tree changed since match(); match again")
             node.last_access = now
             if not node.children:
                 self._sync_evictable(node)
-            if node.hist is None:
-                node.hist = DepthHistogram(self.gamma, self.refresh)
-            obs = min(d, node.end)
-            due = node.hist.observe(obs)
-            if obs != node.end:
-                node.plan_fresh = False
-            if due or node.hist.observations <= self.refresh:  # plan early on young edges
-                if node.plan_fresh and self.skip_fresh_replans:
-                    node.hist.mark_refreshed()  # same plan: see the class docstring
-                else:
-                    self.replan(node)
-                    replanned.append(node)
         if match.ckpt_node is not None and match.resume_depth in match.ckpt_node.ckpt_access:
             match.ckpt_node.ckpt_access[match.resume_depth] = now
-        return replanned
-
-    def edge_law(self, node: Node) -> tuple[np.ndarray, np.ndarray]:
-        """Observed depths (tokens) and weights on ``node``'s edge (law provider or histogram)."""
-        if self.law_provider is not None:
-            return self.law_provider(node, self)
-        if node.hist is None:
-            return np.empty(0, dtype=np.int64), np.empty(0)
-        return node.hist.items()
-
-    def replan(self, node: Node) -> tuple[int, ...]:
-        """Re-solve the edge's checkpoint plan with :func:`solve_dp` within ``plan_budget``."""
-        from sglang_sparse.placement import DepthLaw
-
-        cands = grid_candidates(node.end, self.grid, origin=node.start, include_end=True)
-        d, w = self.edge_law(node)
-        law = DepthLaw.from_depths(d, w, cands, node.start)
-        node.plan = solve_dp(law, self.plan_budget).positions if cands.size else ()
-        node.plan_fresh = self.law_provider is None and bool(node.plan) and node.plan[-1] == node.end
-        if node.hist is not None:
-            node.hist.mark_refreshed()
-        return node.plan
-
-    def planned_captures(self, match: MatchResult) -> list[int]:
-        """Planned positions on the matched path that a prefill resuming at ``resume_depth`` passes
-        (``resume_depth < p <= kv_depth``) and that are not cached yet.
-
-        The end of the edge the KV match ends on, when the match ends exactly there, is the point
-        where this request diverges (an engine that splits an edge where a match ends, SGLang's,
-        made that edge end for this request): a branch point, whatever :meth:`_plans_edge_end`
-        says of the edge, so a plan that wants it (the per-edge DP, on that edge's observed depths)
-        captures it at its exact depth."""
-        out = []
-        lo, hi = match.resume_depth, match.kv_depth
-        branch = match.node if match.kv_depth > 0 and match.kv_depth == match.node.end else None
-        for node in match.path:
-            if node.end <= lo:
-                continue
-            skip = -1 if node is branch or self._plans_edge_end(node) else node.end
-            for p in node.plan:
-                if lo < p <= hi and p != skip and p not in node.checkpoints:
-                    out.append(p)
-        return out
-
-    def _plans_edge_end(self, node: Node) -> bool:
-        """Whether a plan position at ``node``'s edge end is captured (:meth:`planned_captures`):
-        always here, where an edge ends only at a branch point or a sequence end."""
         return True
 
     # ------------------------------------------------------------------ locks
@@ -434,9 +297,26 @@ class CheckpointTree:
         node.kv = kv_down
         node.parent = up
         up.children[node.key.item(0)] = node
-        split_node_state(node, up, at)
+        self._split_state(node, up, at)
         self.num_nodes += 1
         return up
+
+    def _split_state(self, node: Node, up: Node, at: int) -> None:
+        """Move the per-edge state of ``node`` at or above depth ``at`` to ``up``, its new upper half:
+        checkpoints (with their clocks) at positions ``<= at``; ``node`` keeps the rest and gets a
+        new ``version``; ``up`` joins ``node``'s chain (the same session's prefix; ``seq_end``
+        stays below); the listener hears :meth:`TreeListener.on_split`. Shared by every split (the
+        token tree's and the engine-driven mirror's)."""
+        ck = node.checkpoints
+        keys = ck._keys  # noqa: SLF001 - sorted positions
+        while keys and keys[0] <= at:
+            p, h = ck.popitem(0)
+            up.checkpoints[p] = h
+            up.ckpt_access[p] = node.ckpt_access.pop(p)
+        node.version += 1
+        up.chain = node.chain
+        if self.listener is not None:
+            self.listener.on_split(node, up, at)
 
     # ------------------------------------------------------------------ eviction primitives
 
@@ -495,18 +375,20 @@ class CheckpointTree:
         if parent.parent is not None and not parent.children:
             self.leaves.add(parent)
             self._sync_evictable(parent)
+        if self.listener is not None:
+            self.listener.on_remove(node)
         return freed
 
     def merge_with_child(self, node: Node) -> Node:
         """Merge a single-child, unlocked node into its child (Marconi). Frees nothing; the child
-        survives with the concatenated edge, KV, checkpoints and histogram. Returns the child."""
+        survives with the concatenated edge, KV and checkpoints (the listener hears
+        :meth:`TreeListener.on_merge` first). Returns the child."""
         if node.parent is None or len(node.children) != 1 or node.lock_ref > 0:
             raise ValueError(f"can only merge an unlocked single-child node, got {node!r}")
         (child,) = node.children.values()
         parent = node.parent
-        child.hist = _merge_hist(node.hist, child.hist, node.end)
-        child.plan = node.plan + child.plan
-        child.plan_fresh = False
+        if self.listener is not None:
+            self.listener.on_merge(node, child)
         child.key = np.concatenate([node.key, child.key])
         child.kv = self.kv_ops.concat(node.kv, child.kv)
         child.start = node.start
@@ -598,23 +480,24 @@ class CheckpointTree:
         snap: TreeSnapshot,
         *,
         kv_ops: KVOps | None = None,
-        law_provider: LawProvider | None = None,
     ) -> RadixTree:
         """Rebuild a tree from ``snap`` (validated: raises ``SnapshotError``, a ``ValueError``, naming
         the broken invariant). Derived indexes (leaves, evictable sets, LRU heap, totals) are rebuilt."""
-        return tree_from_snapshot(snap, cls=cls, kv_ops=kv_ops, law_provider=law_provider)
+        return tree_from_snapshot(snap, cls=cls, kv_ops=kv_ops)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickle through the flat snapshot (never recursive in tree depth). Subclasses with their
-        own state (``MirrorTree``) keep the default object protocol."""
+        own state (``MirrorTree``) keep the default object protocol. Other attributes (the
+        ``listener``) are pickled as they are."""
         if type(self) is not RadixTree:
             return object.__reduce_ex__(self, protocol)
         extra = {k: v for k, v in self.__dict__.items() if k not in _TREE_ATTRS}
-        return (_rebuild_tree, (self.to_snapshot(), self.kv_ops, self.law_provider, extra))
+        return (_rebuild_tree, (self.to_snapshot(), self.kv_ops, extra))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RadixTree:
-        """Deep copy through the flat snapshot: handles, ``kv_ops`` and ``law_provider`` go through
-        ``copy.deepcopy`` with ``memo`` (so a caller can share e.g. a law provider by seeding it)."""
+        """Deep copy through the flat snapshot: handles, ``kv_ops`` and other attributes (the
+        ``listener``) go through ``copy.deepcopy`` with ``memo`` (so a caller can share one by
+        seeding it)."""
         import copy
 
         if type(self) is not RadixTree:
@@ -627,7 +510,6 @@ class CheckpointTree:
         out = _rebuild_tree(
             snap,
             copy.deepcopy(self.kv_ops, memo),
-            copy.deepcopy(self.law_provider, memo),
             copy.deepcopy(extra, memo),
         )
         memo[id(self)] = out
@@ -877,11 +759,6 @@ _TREE_ATTRS = frozenset(
         "kv_bytes_per_token",
         "state_bytes",
         "kv_ops",
-        "gamma",
-        "refresh",
-        "plan_budget",
-        "grid",
-        "law_provider",
         "clock",
         "_uid",
         "root",
@@ -896,10 +773,8 @@ _TREE_ATTRS = frozenset(
 )
 
 
-def _rebuild_tree(
-    snap: TreeSnapshot, kv_ops: KVOps | None, law_provider: LawProvider | None, extra: dict[str, Any]
-) -> RadixTree:
+def _rebuild_tree(snap: TreeSnapshot, kv_ops: KVOps | None, extra: dict[str, Any]) -> RadixTree:
     """Unpickling helper: :meth:`RadixTree.from_snapshot` plus any extra instance attributes."""
-    tree = RadixTree.from_snapshot(snap, kv_ops=kv_ops, law_provider=law_provider)
+    tree = RadixTree.from_snapshot(snap, kv_ops=kv_ops)
     tree.__dict__.update(extra)
     return tree

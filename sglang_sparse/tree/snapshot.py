@@ -9,15 +9,13 @@ multi-turn session) copies like any other tree, under the default recursion limi
 
 Fields (units: tokens for depths and lengths, logical clock ticks for clocks, bytes for sizes):
 
-* tree configuration: ``kv_bytes_per_token`` (bytes), ``state_bytes`` (bytes per checkpoint),
-  ``gamma``/``refresh`` (of every edge's :class:`~sglang_sparse.placement.DepthHistogram`),
-  ``plan_budget`` (checkpoints per edge), ``grid`` (tokens);
+* tree configuration: ``kv_bytes_per_token`` (bytes), ``state_bytes`` (bytes per checkpoint);
 * counters: ``clock`` (the tree's logical clock, ``>=`` every access clock below), ``uid_counter``
   (the last uid handed out; ``>=`` every ``uid``);
 * per node ``i`` (arrays of length ``n``): ``parent`` (int64, ``-1`` for the root), ``uid``
   (int64, unique), ``start`` (int64, depth before the edge: the parent's end, 0 for the root),
   ``last_access`` (int64 clock), ``lock_ref`` (int64 >= 0; the root's is >= 1 and a node's is >=
-  the sum of its children's), ``version`` (int64), ``plan_fresh`` (bool), ``seq_end`` (bool),
+  the sum of its children's), ``version`` (int64), ``seq_end`` (bool),
   ``chain`` (int64 online-session id, ``-1`` none; see :mod:`sglang_sparse.policy.chains`), ``kv``
   (list of opaque KV handles, the root's ``None``);
 * edge tokens: ``keys`` (int32, every edge's tokens concatenated in node order) and
@@ -28,14 +26,9 @@ Fields (units: tokens for depths and lengths, logical clock ticks for clocks, by
   node index), ``ckpt_pos`` (int64 absolute depth ``p`` with ``start < p <= end`` of that node),
   ``ckpt_access`` (int64 clock of creation / last use as a resume point), ``ckpt_handle`` (list of
   opaque state handles);
-* plans: ``plan_offsets`` (int64, ``n + 1``) and ``plan_pos`` (int64): node ``i``'s current
-  placement plan is ``plan_pos[plan_offsets[i]:plan_offsets[i+1]]`` (absolute depths);
-* histograms (arrays of length ``h``, one per node holding one, in node order): ``hist_node``
-  (int64 node index), ``hist_scale`` (float64 internal scale), ``hist_since`` (int64 observations
-  since the last re-plan), ``hist_count`` (int64 observations ever), and the bins
-  ``hist_bin_offsets`` (int64, ``h + 1``), ``hist_bin_depth`` (int64 depths, tokens),
-  ``hist_bin_weight`` (float64 *scaled* weights, i.e. weight times ``hist_scale``), in the
-  histogram's insertion order (float sums are order-sensitive; keep it for bit-exact copies).
+
+The policy's per-edge histograms and plans are not part of it (they live in the policy's plan
+table, keyed by ``uid``, with a flat form of their own: ``sglang_sparse.policy.plan_table``).
 
 Derived indexes (leaf set, evictable sets, the LRU heap, node counts and byte totals, and the
 policy's candidate index) are never stored: :func:`tree_from_snapshot` rebuilds them.
@@ -56,8 +49,6 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from sglang_sparse.placement import DEFAULT_GRID, DepthHistogram
-
 from .node import EMPTY_KEY, Node
 
 _I64 = np.int64
@@ -67,17 +58,13 @@ class FlatTree(Protocol):
     """The tree state :func:`tree_to_snapshot` reads and :func:`tree_from_snapshot` writes.
 
     :class:`~sglang_sparse.tree.radix.RadixTree` has it; a structural type, so this module does not
-    import :mod:`.radix`. Units: ``kv_bytes_per_token`` and ``state_bytes`` bytes, ``grid`` and
-    ``kv_tokens`` tokens, ``clock`` logical ticks; ``_uid`` is the last uid handed out, ``num_nodes``
+    import :mod:`.radix`. Units: ``kv_bytes_per_token`` and ``state_bytes`` bytes, ``kv_tokens``
+    tokens, ``clock`` logical ticks; ``_uid`` is the last uid handed out, ``num_nodes``
     excludes the root. ``_sync_evictable(node)`` recomputes ``node``'s membership in the tree's
     eviction index."""
 
     kv_bytes_per_token: int
     state_bytes: int
-    gamma: float
-    refresh: int
-    plan_budget: int
-    grid: int
     root: Node
     clock: int
     _uid: int
@@ -120,26 +107,12 @@ class TreeSnapshot:
     clock: int
     uid_counter: int
     version: np.ndarray | None = None
-    plan_fresh: np.ndarray | None = None
     seq_end: np.ndarray | None = None
     chain: np.ndarray | None = None
     ckpt_node: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
     ckpt_pos: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
     ckpt_access: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
     ckpt_handle: list[Any] = field(default_factory=list)
-    plan_offsets: np.ndarray | None = None
-    plan_pos: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
-    hist_node: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
-    hist_scale: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
-    hist_since: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
-    hist_count: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
-    hist_bin_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, _I64))
-    hist_bin_depth: np.ndarray = field(default_factory=lambda: np.empty(0, _I64))
-    hist_bin_weight: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))
-    gamma: float = 0.99
-    refresh: int = 10
-    plan_budget: int = 4
-    grid: int = DEFAULT_GRID
 
     @property
     def num_nodes(self) -> int:
@@ -165,19 +138,11 @@ class TreeSnapshotBuilder:
         kv_bytes_per_token: int,
         state_bytes: int,
         *,
-        gamma: float = 0.99,
-        refresh: int = 10,
-        plan_budget: int = 4,
-        grid: int = DEFAULT_GRID,
         root_uid: int = 1,
     ) -> None:
         self.config = {
             "kv_bytes_per_token": int(kv_bytes_per_token),
             "state_bytes": int(state_bytes),
-            "gamma": float(gamma),
-            "refresh": int(refresh),
-            "plan_budget": int(plan_budget),
-            "grid": int(grid),
         }
         self._parent = [-1]
         self._keys: list[np.ndarray] = [EMPTY_KEY]
@@ -188,11 +153,8 @@ class TreeSnapshotBuilder:
         self._lock = [1]
         self._kv: list[Any] = [None]
         self._max_uid = int(root_uid)
-        self._plan: list[tuple[int, ...]] = [()]
-        self._fresh = [False]
         self._seq_end = [False]
         self._chain = [-1]
-        self._hist: list[tuple[int, DepthHistogram]] = []
         self._ck: list[tuple[int, int, int, Any]] = []
 
     def add_node(
@@ -206,17 +168,12 @@ class TreeSnapshotBuilder:
         last_access: int = 0,
         lock_ref: int = 0,
         uid: int | None = None,
-        hist: DepthHistogram | None = None,
-        plan: tuple[int, ...] = (),
-        plan_fresh: bool = False,
         seq_end: bool = False,
         chain: int = -1,
     ) -> int:
         """Append a child of node index ``parent`` with edge ``tokens``; return its index.
 
-        Optional policy state: ``hist`` (the edge's depth histogram, copied; ``None`` = no
-        observation yet), ``plan`` (absolute depths of its current placement plan) and
-        ``plan_fresh``, ``seq_end`` and ``chain`` (see :class:`~sglang_sparse.tree.node.Node`)."""
+        ``seq_end`` and ``chain``: see :class:`~sglang_sparse.tree.node.Node`."""
         if not 0 <= parent < len(self._parent):
             raise SnapshotError(f"parent index {parent} is not an earlier node (have {len(self._parent)})")
         key = np.asarray(tokens, dtype=np.int32).reshape(-1)
@@ -234,12 +191,8 @@ class TreeSnapshotBuilder:
         self._last.append(int(last_access))
         self._lock.append(int(lock_ref))
         self._kv.append(kv)
-        self._plan.append(tuple(int(p) for p in plan))
-        self._fresh.append(bool(plan_fresh))
         self._seq_end.append(bool(seq_end))
         self._chain.append(int(chain))
-        if hist is not None:
-            self._hist.append((i, hist))
         acc = ckpt_access or {}
         for p in sorted(checkpoints or {}):
             self._ck.append((i, int(p), int(acc.get(p, last_access)), checkpoints[p]))  # type: ignore[index]
@@ -252,25 +205,10 @@ class TreeSnapshotBuilder:
         np.cumsum(lens, out=offs[1:])
         ck = self._ck
         newest = max(max(self._last), max((c[2] for c in ck), default=0))
-        plan_offs = np.zeros(len(self._plan) + 1, dtype=_I64)
-        np.cumsum([len(p) for p in self._plan], out=plan_offs[1:])
-        hs = [h for _, h in self._hist]
-        h_offs = np.zeros(len(hs) + 1, dtype=_I64)
-        np.cumsum([len(h._bins) for h in hs], out=h_offs[1:])  # noqa: SLF001
         return TreeSnapshot(
             version=np.zeros(len(self._parent), dtype=_I64),
-            plan_fresh=np.asarray(self._fresh, dtype=np.bool_),
             seq_end=np.asarray(self._seq_end, dtype=np.bool_),
             chain=_i64(self._chain),
-            plan_offsets=plan_offs,
-            plan_pos=_i64([p for pl in self._plan for p in pl]),
-            hist_node=_i64([i for i, _ in self._hist]),
-            hist_scale=np.asarray([h._scale for h in hs], dtype=np.float64),  # noqa: SLF001
-            hist_since=_i64([h._since_refresh for h in hs]),  # noqa: SLF001
-            hist_count=_i64([h._n for h in hs]),  # noqa: SLF001
-            hist_bin_offsets=h_offs,
-            hist_bin_depth=_i64([d for h in hs for d in h._bins]),  # noqa: SLF001
-            hist_bin_weight=np.asarray([w for h in hs for w in h._bins.values()], dtype=np.float64),  # noqa: SLF001
             parent=_i64(self._parent),
             keys=np.concatenate(self._keys).astype(np.int32, copy=False),
             key_offsets=offs,
@@ -312,15 +250,6 @@ def tree_to_snapshot(tree: FlatTree) -> TreeSnapshot:
     ck_pos: list[int] = []
     ck_acc: list[int] = []
     ck_h: list[Any] = []
-    plan_len = np.zeros(nn, dtype=_I64)
-    plan_pos: list[int] = []
-    h_node: list[int] = []
-    h_scale: list[float] = []
-    h_since: list[int] = []
-    h_count: list[int] = []
-    h_len: list[int] = []
-    h_d: list[int] = []
-    h_w: list[float] = []
     for i, n in enumerate(order):
         if n.checkpoints:
             for p, h in n.checkpoints.items():
@@ -328,22 +257,6 @@ def tree_to_snapshot(tree: FlatTree) -> TreeSnapshot:
                 ck_pos.append(p)
                 ck_acc.append(n.ckpt_access[p])
                 ck_h.append(h)
-        if n.plan:
-            plan_len[i] = len(n.plan)
-            plan_pos.extend(n.plan)
-        hs = n.hist
-        if hs is not None:
-            h_node.append(i)
-            h_scale.append(hs._scale)  # noqa: SLF001 - exact state copy
-            h_since.append(hs._since_refresh)  # noqa: SLF001
-            h_count.append(hs._n)  # noqa: SLF001
-            h_len.append(len(hs._bins))  # noqa: SLF001
-            h_d.extend(hs._bins.keys())  # noqa: SLF001
-            h_w.extend(hs._bins.values())  # noqa: SLF001
-    plan_offs = np.zeros(nn + 1, dtype=_I64)
-    np.cumsum(plan_len, out=plan_offs[1:])
-    h_offs = np.zeros(len(h_len) + 1, dtype=_I64)
-    np.cumsum(np.asarray(h_len, dtype=_I64), out=h_offs[1:])
     return TreeSnapshot(
         kv_bytes_per_token=tree.kv_bytes_per_token,
         state_bytes=tree.state_bytes,
@@ -358,26 +271,12 @@ def tree_to_snapshot(tree: FlatTree) -> TreeSnapshot:
         clock=int(tree.clock),
         uid_counter=int(tree._uid),  # noqa: SLF001
         version=np.fromiter((n.version for n in order), dtype=_I64, count=nn),
-        plan_fresh=np.fromiter((n.plan_fresh for n in order), dtype=np.bool_, count=nn),
         seq_end=np.fromiter((n.seq_end for n in order), dtype=np.bool_, count=nn),
         chain=np.fromiter((n.chain for n in order), dtype=_I64, count=nn),
         ckpt_node=_i64(ck_node),
         ckpt_pos=_i64(ck_pos),
         ckpt_access=_i64(ck_acc),
         ckpt_handle=ck_h,
-        plan_offsets=plan_offs,
-        plan_pos=_i64(plan_pos),
-        hist_node=_i64(h_node),
-        hist_scale=np.asarray(h_scale, dtype=np.float64),
-        hist_since=_i64(h_since),
-        hist_count=_i64(h_count),
-        hist_bin_offsets=h_offs,
-        hist_bin_depth=_i64(h_d),
-        hist_bin_weight=np.asarray(h_w, dtype=np.float64),
-        gamma=tree.gamma,
-        refresh=tree.refresh,
-        plan_budget=tree.plan_budget,
-        grid=tree.grid,
     )
 
 
@@ -389,7 +288,7 @@ def _validate(s: TreeSnapshot) -> None:
     for name in ("start", "uid", "last_access", "lock_ref"):
         if len(getattr(s, name)) != n:
             raise SnapshotError(f"{name} has {len(getattr(s, name))} entries, expected {n} (one per node)")
-    for name in ("version", "plan_fresh", "seq_end", "chain"):
+    for name in ("version", "seq_end", "chain"):
         a = getattr(s, name)
         if a is not None and len(a) != n:
             raise SnapshotError(f"{name} has {len(a)} entries, expected {n} (one per node)")
@@ -449,18 +348,6 @@ def _validate(s: TreeSnapshot) -> None:
             raise SnapshotError("checkpoints must be sorted by (node, position) without duplicates")
         if (s.ckpt_access > s.clock).any():
             raise SnapshotError("a ckpt_access is newer than clock")
-    if s.plan_offsets is not None and (len(s.plan_offsets) != n + 1 or s.plan_offsets[-1] != len(s.plan_pos)):
-        raise SnapshotError("plan_offsets must have n + 1 entries ending at len(plan_pos)")
-    h = len(s.hist_node)
-    if (
-        not (len(s.hist_scale) == len(s.hist_since) == len(s.hist_count) == h)
-        or len(s.hist_bin_offsets) != h + 1
-    ):
-        raise SnapshotError("histogram arrays must have one entry per histogram (offsets: h + 1)")
-    if s.hist_bin_offsets[-1] != len(s.hist_bin_depth) or len(s.hist_bin_depth) != len(s.hist_bin_weight):
-        raise SnapshotError("hist_bin_offsets must end at len(hist_bin_depth) == len(hist_bin_weight)")
-    if h and ((s.hist_node < 1).any() or (s.hist_node >= n).any() or len(np.unique(s.hist_node)) != h):
-        raise SnapshotError("hist_node must index distinct non-root nodes")
 
 
 def tree_from_snapshot(
@@ -468,26 +355,16 @@ def tree_from_snapshot(
     *,
     cls: Callable[..., TreeT],
     kv_ops: Any = None,
-    law_provider: Any = None,
 ) -> TreeT:
     """A new ``cls`` tree equal to the one ``snap`` describes (validated first); derived indexes rebuilt.
 
     ``cls`` is the tree class (:class:`~sglang_sparse.tree.radix.RadixTree` or a subclass), called
-    with the snapshot's configuration and ``kv_ops`` / ``law_provider`` (its ``KVOps`` and
-    ``LawProvider``, ``None`` = its defaults) as :class:`RadixTree`'s constructor takes them.
+    with the snapshot's configuration and ``kv_ops`` (its ``KVOps``, ``None`` = the default) as
+    :class:`RadixTree`'s constructor takes them.
     Iterative, O(nodes + tokens + checkpoints). The rebuilt tree owns a private copy of
     ``snap.keys``; handles are shared with ``snap``."""
     _validate(snap)
-    tree = cls(
-        snap.kv_bytes_per_token,
-        snap.state_bytes,
-        kv_ops=kv_ops,
-        gamma=snap.gamma,
-        refresh=snap.refresh,
-        plan_budget=snap.plan_budget,
-        grid=snap.grid,
-        law_provider=law_provider,
-    )
+    tree = cls(snap.kv_bytes_per_token, snap.state_bytes, kv_ops=kv_ops)
     n = len(snap.parent)
     keys = np.array(snap.keys, dtype=np.int32, copy=True)
     offs = snap.key_offsets.tolist()
@@ -497,7 +374,6 @@ def tree_from_snapshot(
     last = snap.last_access.tolist()
     lock = snap.lock_ref.tolist()
     version = snap.version.tolist() if snap.version is not None else [0] * n
-    fresh = snap.plan_fresh.tolist() if snap.plan_fresh is not None else [False] * n
     seq_end = snap.seq_end.tolist() if snap.seq_end is not None else [False] * n
     chain = snap.chain.tolist() if snap.chain is not None else [-1] * n
     kv = snap.kv
@@ -511,7 +387,6 @@ def tree_from_snapshot(
         node = Node(uid[i], key, start[i], par, kv[i], last[i])
         node.lock_ref = lock[i]
         node.version = version[i]
-        node.plan_fresh = fresh[i]
         node.seq_end = seq_end[i]
         node.chain = chain[i]
         par.children[key.item(0)] = node
@@ -527,25 +402,6 @@ def tree_from_snapshot(
         node = nodes[cn[j]]
         node.checkpoints[cp[j]] = chd[j]
         node.ckpt_access[cp[j]] = ca[j]
-    if snap.plan_offsets is not None:
-        po, pp = snap.plan_offsets.tolist(), snap.plan_pos.tolist()
-        for i in np.flatnonzero(np.diff(snap.plan_offsets)).tolist():
-            nodes[i].plan = tuple(pp[po[i] : po[i + 1]])
-    ho = snap.hist_bin_offsets.tolist()
-    hd, hw = snap.hist_bin_depth.tolist(), snap.hist_bin_weight.tolist()
-    for j, (i, sc, since, cnt) in enumerate(
-        zip(
-            snap.hist_node.tolist(),
-            snap.hist_scale.tolist(),
-            snap.hist_since.tolist(),
-            snap.hist_count.tolist(),
-            strict=True,
-        )
-    ):
-        hs = DepthHistogram(tree.gamma, tree.refresh)
-        hs._bins = dict(zip(hd[ho[j] : ho[j + 1]], hw[ho[j] : ho[j + 1]], strict=True))  # noqa: SLF001
-        hs._scale, hs._since_refresh, hs._n = sc, since, cnt  # noqa: SLF001
-        nodes[i].hist = hs
     tree.clock = int(snap.clock)
     tree._uid = int(snap.uid_counter)  # noqa: SLF001
     tree.num_nodes = n - 1
