@@ -42,6 +42,11 @@ def test_set_host_tier_scores_the_logical_cache_net_of_loads(wp: str, logical: i
     assert cost.host_share == pytest.approx(1 - DEVICE / logical)
     # the load is the engine's bytes (state + KV since the fallback), not the cost model's
     assert (cost.load_state_bytes, cost.load_kv_bytes) == (STATE_B, KV_B)
+    assert (
+        (cost.state_bytes, cost.kv_bytes_per_token)
+        == (STATE_B, KV_B)
+        != (COST.state_bytes, COST.kv_bytes_per_token)
+    )
     load = host.load_flops(STATE_B + 100 * KV_B)
     want = max(0.0, COST.node_flops_saved(300, 200) - cost.host_share * load)
     assert cost.node_flops_saved(300, 200) == pytest.approx(want)

@@ -86,7 +86,8 @@ class HostCost:
     """The cost model of a logical two-tier cache's evictor: ``cost`` with every checkpoint's FLOPs
     saved per hit reduced by its expected load, ``host_share`` (0..1) times the load of the state and
     of the KV between it and its fallback (never below 0). Everything else is ``cost``'s (attribute
-    access is delegated), so it can stand wherever a :class:`~.cost_model.ModelCostModel` does.
+    access is delegated) except the bytes, which are the ones the loads are priced with, so it can
+    stand wherever a :class:`~.cost_model.ModelCostModel` does.
 
     ``kv_bytes_per_token`` / ``state_bytes`` (bytes): what a load moves, when the engine's pools
     hold other sizes than ``cost``'s model (the SGLang adapter passes its pools' bytes); default
@@ -116,6 +117,16 @@ class HostCost:
         ):
             raise AttributeError(name)  # not set yet (unpickling): never recurse
         return getattr(self.cost, name)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes per KV token (the engine's when given, else ``cost``'s): the load's and the budget's."""
+        return self.load_kv_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per state (the engine's when given, else ``cost``'s): the load's and the budget's."""
+        return self.load_state_bytes
 
     def node_flops_saved(self, pos: int, fallback: int) -> float:
         """FLOPs a hit at ``pos`` saves net of its expected load (``host_share`` x the state and the

@@ -8,21 +8,15 @@ scheduler's (``benchmarks/scheduler_cache.py``), one subprocess per dtype, ~25 s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from sglang_sparse.testing.child import run_tagged_child
 from sglang_sparse.testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
 require_serving_stack(("torch", "sglang", "transformers"))
 
-REPO = Path(__file__).resolve().parents[2]
 
 PROBE = r"""
 import json, warnings
@@ -57,19 +51,12 @@ print("PROBE " + json.dumps({
 
 
 def _probe(**env: str) -> dict:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_SPARSE_", "SGLANG_MAMBA_"))}
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        cwd=REPO,
-        env={**base, "SGLANG_SPARSE_CAPTURE": "cut", **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return run_tagged_child(
+        ["-c", PROBE],
+        "PROBE",
+        drop_env=("SGLANG_SPARSE_", "SGLANG_MAMBA_"),
+        env={"SGLANG_SPARSE_CAPTURE": "cut", **env},
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
-    assert proc.returncode == 0 and lines, f"probe failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("PROBE ") :])
 
 
 @pytest.fixture(scope="module")

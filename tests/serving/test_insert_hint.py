@@ -7,21 +7,15 @@ subprocess (its own published ``ServerArgs``, fresh node ids and clocks), ~1 min
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from sglang_sparse.testing.child import run_tagged_child
 from sglang_sparse.testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
 require_serving_stack(("torch", "sglang", "transformers"))
 
-REPO = Path(__file__).resolve().parents[2]
 
 #: the child: run the stream with the hint on or off (argv[1]), print one JSON line
 CHILD = r"""
@@ -67,25 +61,14 @@ for i in range(40):
     hits.append(h.run(f"r{i}", p, sc.output_ids(100 + i, 4)))
     digest.update(repr(dump()).encode())
 st = h.b.cache.sparse_stats()
-print("HINT " + json.dumps({"hits": hits, "digest": digest.hexdigest(), "hinted": tc.hinted_inserts,
-      "unhinted": tc.unhinted_inserts, "violations": st["invariant_violations"],
+print("HINT " + json.dumps({"hits": hits, "digest": digest.hexdigest(), "hinted": st["inserts_hinted"],
+      "unhinted": st["inserts_unhinted"], "violations": st["invariant_violations"],
       "mirror_errors": st["mirror_errors"], "evicted": st["states_evicted"] + st["kv_leaves_evicted"]}))
 """
 
 
 def _run(mode: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SPARSE_")}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, mode],
-        cwd=REPO,
-        env={**env, "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HINT ")]
-    assert proc.returncode == 0 and lines, f"child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("HINT ") :])
+    return run_tagged_child(["-c", CHILD, mode], "HINT", drop_env=("SGLANG_SPARSE_",), timeout=900)
 
 
 def test_hinted_insert_equals_sglang_walk() -> None:

@@ -5,43 +5,25 @@ hundred tokens per prompt, tiny pools. One subprocess (its own published ``Serve
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from sglang_sparse.testing.child import REPO, child_env, run_tagged_child
 from sglang_sparse.testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
 require_serving_stack(("torch", "sglang", "transformers"))
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ("native", "native_python", "sparse")
 
 
 @pytest.fixture(scope="module")
 def smoke() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SPARSE_")}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "scheduler_cache.py"),
-            "--smoke",
-            "--configs",
-            ",".join(CONFIGS),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SMOKE ")]
-    assert proc.returncode == 0 and lines, f"harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("SMOKE ") :])
+    args = [str(REPO / "benchmarks" / "scheduler_cache.py"), "--smoke", "--configs", ",".join(CONFIGS)]
+    return run_tagged_child(args, "SMOKE", drop_env=("SGLANG_SPARSE_",))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -73,13 +55,12 @@ def test_cores_and_backends(smoke: dict[str, dict]) -> None:
 def test_request_path_tool_traces_a_warm_request_through_the_adapter() -> None:
     """``tools/request_path.py`` (the count in docs/architecture.md): a repeat of a cached
     document resumes from a state, and its calls reach the adapter, the mirror and the policy."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_SPARSE_")}
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "request_path.py"), "--json"],
         capture_output=True,
         text=True,
         cwd=REPO,
-        env=env,
+        env=child_env(("SGLANG_SPARSE_",)),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
