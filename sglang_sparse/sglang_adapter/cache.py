@@ -121,6 +121,7 @@ class SparseTreeCore(UnifiedTreeCore):
     def reset(self) -> None:
         super().reset()
         self.evictable_device_leaves = _LeafSet(self.evictable_device_leaves)
+        self.evictable_host_leaves = _LeafSet(self.evictable_host_leaves)
         if self.policy is not None:
             self.policy.reset(self.root_node.id)
 
@@ -591,9 +592,35 @@ class SparseFullComponent(FullComponent):
         self._evict_device_last_node = None
         self.cache.maybe_check_invariants("KV eviction")
 
+    def drive_host_eviction(self, num_tokens, tracker, device_frees, host_frees, cache_actions):
+        """HiCache, host KV pool short: drop host leaves in the policy's order, the device walk's key
+        (:class:`_KVWalk`: leaves holding no state in either tier first, then the policy's key of
+        the host-only state a leaf holds, unscored states last, ties SGLang's priority), not SGLang's
+        host LRU. Each step is SGLang's own (``_evict_host_leaf``: the leaf's KV and state, then
+        tombstoned parents); a parent it exposes joins the walk with its own key. SGLang's
+        write-back duplicate reclaim runs before this (``UnifiedTreeCore.drive_host_eviction``).
+        With sessions SGLang's own walk runs."""
+        tc = self.tree_core
+        if not tc.enable_hicache or tc.enable_session_radix_cache:
+            return super().drive_host_eviction(num_tokens, tracker, device_frees, host_frees, cache_actions)
+        self._ensure_eviction_strategy()
+        policy = self.cache.policy
+        walk = _KVWalk(tc.evictable_host_leaves, policy, tc.eviction_strategy.get_priority)
+        ct = self.component_type
+        while tracker[ct] < num_tokens:
+            x = walk.pop()
+            if x is None:
+                break
+            policy.stats.host_kv_drops += 1
+            tc._evict_host_leaf(x, tracker, device_frees, host_frees, cache_actions=cache_actions)
+            if x.parent is not None and x.parent in walk.leaves:
+                walk.push(x.parent)  # exposed by this drop
+        self.cache.maybe_check_invariants("host KV eviction")
+
 
 class _KVWalk:
-    """The KV walk's order over SGLang's evictable device leaves, built lazily.
+    """The KV walk's order over SGLang's evictable device (or, for the host drop, host) leaves,
+    built lazily.
 
     Key of a leaf ``n``: ``(rank, base(n), n.id)`` (smallest first), ``rank`` being ``(0, 0.0)``
     for a leaf without a state, ``(0, 1.0)`` for a speculative state, ``(1, k)`` for a state the
@@ -633,8 +660,8 @@ class _KVWalk:
         self.unscored_added = False
 
     def rank(self, n: Any) -> tuple:
-        if n.component_data[self.mamba].value is None:
-            return self.DEAD
+        if not _holds_state(n.component_data[self.mamba]):
+            return self.DEAD  # no state in either tier (a host-only state is the policy's to rank)
         if n.id in self.spec:
             return self.SPEC
         k = self.key_of(n.id)
@@ -865,6 +892,9 @@ class SparseRadixCache(UnifiedRadixCache):
             kv_available=int(self.token_to_kv_pool_allocator.available_size()),
             kv_evictable=int(self.full_evictable_size()),
             kv_protected=int(self.full_protected_size()),
+            #: checkpoint inserts that resumed at the request's node / fell back to SGLang's walk
+            inserts_hinted=int(getattr(tc, "hinted_inserts", 0)),
+            inserts_unhinted=int(getattr(tc, "unhinted_inserts", 0)),
             invariant_checks=self._check,
             invariant_violations=self.invariant_violations,
             last_invariant_error=self.last_invariant_error,

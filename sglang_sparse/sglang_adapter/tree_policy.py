@@ -112,6 +112,8 @@ class PolicyStats:
     unscored_evictions: int = 0
     #: HiCache: host-only states dropped in the policy's order (``drive_host_eviction``)
     host_state_drops: int = 0
+    #: HiCache: host leaves (KV, and the state a leaf holds) dropped in the policy's order
+    host_kv_drops: int = 0
     #: engine events that did not fit the mirror (must stay 0; each one is logged)
     mirror_errors: int = 0
     alpha_tunes: list[tuple[int, float]] = field(default_factory=list)

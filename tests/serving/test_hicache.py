@@ -338,10 +338,11 @@ def test_sparse_hicache_host_pool_short_drops_in_the_policys_order(model_dir: Pa
     """A host tier twice the device (8 device, ~16 host state slots) under 10 documents asked 6
     questions each in turn: every request plans a few first-sight states, so the host's state pool
     runs short and drops host-only states in the policy's order (``drive_host_eviction``), every one
-    a state the policy scores; greedy tokens equal no cache, nothing leaks in either pool, and most
-    later questions resume inside their document. (SGLang's host LRU reads the same 6,400 cached
-    tokens here: this checks the path and its exactness; the order's gain is measured on the
-    system_prompts slice, ``serving.py --hicache``: 29,022 prefilled vs 31,198 with the LRU.)"""
+    a state the policy scores; greedy tokens equal no cache, nothing leaks in
+    either pool, and most later questions resume inside their document. (SGLang's host LRU reads the
+    same 6,400 cached tokens here: this checks the path and its exactness; the order's gain is
+    measured on the system_prompts slice, ``serving.py --hicache``: 29,022 prefilled vs 31,198 with
+    the LRU.)"""
     docs = [toks(150, 500 + d) for d in range(10)]
     prompts = [docs[i % 10] + toks(20, 900 + i) for i in range(60)]
     hicache = ["--enable-hierarchical-cache", "--hicache-ratio", "2"]
@@ -352,10 +353,44 @@ def test_sparse_hicache_host_pool_short_drops_in_the_policys_order(model_dir: Pa
         s = _assert_idle_clean(srv)
     finally:
         srv.stop()
-    print({k: s[k] for k in ("host_state_drops", "unscored_evictions", "states_host_only", "states_held")})
+    print({k: s[k] for k in ("host_state_drops", "host_kv_drops", "unscored_evictions", "states_host_only")})
     assert s["host_state_drops"] > 0, s
     assert s["unscored_evictions"] == 0, s
     assert sum(r.cached_tokens >= 128 for r in got[10:]) >= 40, [r.cached_tokens for r in got]
+    base, env = strategy_setup("no_buffer")
+    ref = _start(
+        SGLangServer(model_dir, base_args=base, env=env, extra_args=["--disable-radix-cache"], **SIZING)
+    )
+    try:
+        want = [ref.generate(p, NEW).output_ids for p in prompts]
+    finally:
+        ref.stop()
+    assert [r.output_ids for r in got] == want
+
+
+def test_sparse_hicache_host_kv_short_drops_in_the_policys_order(model_dir: Path) -> None:
+    """The host's KV pool runs short first (2x the device's 1,024 tokens, 60 host state slots) under
+    4 hot documents of 320 tokens asked 5 questions each in turn, every other request a new cold
+    document read once (20): host leaves go in the policy's order
+    (``SparseFullComponent.drive_host_eviction``: leaves holding no state first, then the policy's
+    key of the host-only state a leaf holds), not SGLang's host LRU; greedy tokens equal no cache,
+    nothing leaks in either pool, and later hot questions still resume inside their documents."""
+    hot = [toks(320, 700 + d) for d in range(4)]
+    prompts = [hot[(i // 2) % 4] if i % 2 == 0 else toks(320, 800 + i) for i in range(40)]
+    prompts = [p + toks(20, 1900 + i) for i, p in enumerate(prompts)]
+    hicache = ["--enable-hierarchical-cache", "--hicache-ratio", "2"]
+    srv = _sparse_eb_hicache(model_dir, kv_tokens=1024, slots=30, hicache=hicache)
+    try:
+        got = [srv.generate(p, NEW) for p in prompts]
+        assert srv.alive(), srv.log_tail()
+        s = _assert_idle_clean(srv)
+    finally:
+        srv.stop()
+    print({k: s[k] for k in ("host_kv_drops", "host_state_drops", "unscored_evictions", "states_host_only")})
+    print("cached:", [r.cached_tokens for r in got])
+    assert s["host_kv_drops"] > 0, s
+    assert s["unscored_evictions"] == 0, s
+    assert sum(r.cached_tokens >= 256 for r in got[8::2]) >= 12, [r.cached_tokens for r in got]
     base, env = strategy_setup("no_buffer")
     ref = _start(
         SGLangServer(model_dir, base_args=base, env=env, extra_args=["--disable-radix-cache"], **SIZING)

@@ -199,6 +199,7 @@ def test_sparse_reuses_prefixes(results) -> None:
     assert s["requests"] >= len(workload()) and s["resume_tokens"] > 0
     assert s["resume_tokens"] <= s["kv_hit_tokens"] <= s["input_tokens"]
     assert s["states_held"] <= STATE_SLOTS and s["kv_tokens_held"] <= KV_TOKENS
+    assert s["inserts_hinted"] > 0, s  # the server's checkpoint inserts resume at the request's node
     assert_one_tree(s)
 
 
