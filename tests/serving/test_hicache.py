@@ -334,6 +334,35 @@ def test_sparse_hicache_storm_with_aborts(model_dir: Path) -> None:
     assert done == want
 
 
+def _host_short_run(
+    model_dir: Path, prompts: list[list[int]], slots: int
+) -> tuple[list[Any], dict[str, Any]]:
+    """Serve ``prompts`` in turn on sparse + HiCache (extra_buffer, write-back, 1,024 device KV
+    tokens, host 2x, ``slots`` device state slots), check the idle server is clean
+    (:func:`_assert_idle_clean`) and that greedy tokens equal a no-cache server's; return the
+    responses and the idle statistics."""
+    hicache = ["--enable-hierarchical-cache", "--hicache-ratio", "2"]
+    srv = _sparse_eb_hicache(model_dir, kv_tokens=1024, slots=slots, hicache=hicache)
+    try:
+        got = [srv.generate(p, NEW) for p in prompts]
+        assert srv.alive(), srv.log_tail()
+        s = _assert_idle_clean(srv)
+    finally:
+        srv.stop()
+    print({k: s[k] for k in ("host_state_drops", "host_kv_drops", "unscored_evictions", "states_host_only")})
+    print("cached:", [r.cached_tokens for r in got])
+    base, env = strategy_setup("no_buffer")
+    ref = _start(
+        SGLangServer(model_dir, base_args=base, env=env, extra_args=["--disable-radix-cache"], **SIZING)
+    )
+    try:
+        want = [ref.generate(p, NEW).output_ids for p in prompts]
+    finally:
+        ref.stop()
+    assert [r.output_ids for r in got] == want
+    return got, s
+
+
 def test_sparse_hicache_host_pool_short_drops_in_the_policys_order(model_dir: Path) -> None:
     """A host tier twice the device (8 device, ~16 host state slots) under 10 documents asked 6
     questions each in turn: every request plans a few first-sight states, so the host's state pool
@@ -345,27 +374,10 @@ def test_sparse_hicache_host_pool_short_drops_in_the_policys_order(model_dir: Pa
     the LRU.)"""
     docs = [toks(150, 500 + d) for d in range(10)]
     prompts = [docs[i % 10] + toks(20, 900 + i) for i in range(60)]
-    hicache = ["--enable-hierarchical-cache", "--hicache-ratio", "2"]
-    srv = _sparse_eb_hicache(model_dir, kv_tokens=1024, slots=8, hicache=hicache)
-    try:
-        got = [srv.generate(p, NEW) for p in prompts]
-        assert srv.alive(), srv.log_tail()
-        s = _assert_idle_clean(srv)
-    finally:
-        srv.stop()
-    print({k: s[k] for k in ("host_state_drops", "host_kv_drops", "unscored_evictions", "states_host_only")})
+    got, s = _host_short_run(model_dir, prompts, slots=8)
     assert s["host_state_drops"] > 0, s
     assert s["unscored_evictions"] == 0, s
     assert sum(r.cached_tokens >= 128 for r in got[10:]) >= 40, [r.cached_tokens for r in got]
-    base, env = strategy_setup("no_buffer")
-    ref = _start(
-        SGLangServer(model_dir, base_args=base, env=env, extra_args=["--disable-radix-cache"], **SIZING)
-    )
-    try:
-        want = [ref.generate(p, NEW).output_ids for p in prompts]
-    finally:
-        ref.stop()
-    assert [r.output_ids for r in got] == want
 
 
 def test_sparse_hicache_host_kv_short_drops_in_the_policys_order(model_dir: Path) -> None:
@@ -378,28 +390,10 @@ def test_sparse_hicache_host_kv_short_drops_in_the_policys_order(model_dir: Path
     hot = [toks(320, 700 + d) for d in range(4)]
     prompts = [hot[(i // 2) % 4] if i % 2 == 0 else toks(320, 800 + i) for i in range(40)]
     prompts = [p + toks(20, 1900 + i) for i, p in enumerate(prompts)]
-    hicache = ["--enable-hierarchical-cache", "--hicache-ratio", "2"]
-    srv = _sparse_eb_hicache(model_dir, kv_tokens=1024, slots=30, hicache=hicache)
-    try:
-        got = [srv.generate(p, NEW) for p in prompts]
-        assert srv.alive(), srv.log_tail()
-        s = _assert_idle_clean(srv)
-    finally:
-        srv.stop()
-    print({k: s[k] for k in ("host_kv_drops", "host_state_drops", "unscored_evictions", "states_host_only")})
-    print("cached:", [r.cached_tokens for r in got])
+    got, s = _host_short_run(model_dir, prompts, slots=30)
     assert s["host_kv_drops"] > 0, s
     assert s["unscored_evictions"] == 0, s
     assert sum(r.cached_tokens >= 256 for r in got[8::2]) >= 12, [r.cached_tokens for r in got]
-    base, env = strategy_setup("no_buffer")
-    ref = _start(
-        SGLangServer(model_dir, base_args=base, env=env, extra_args=["--disable-radix-cache"], **SIZING)
-    )
-    try:
-        want = [ref.generate(p, NEW).output_ids for p in prompts]
-    finally:
-        ref.stop()
-    assert [r.output_ids for r in got] == want
 
 
 def test_sparse_hicache_interleaved_300_turn_sessions(model_dir: Path) -> None:
