@@ -35,13 +35,12 @@ class FakeNode:
 
 class FakePolicy:
     """What ``_KVWalk`` reads of ``TreePolicy``: speculative ids, the mirror's state ids, one
-    frozen round of scored keys as a sorted stream (ties adjacent) and a lookup, stats."""
+    frozen round of scored keys as a sorted stream (ties adjacent) and a lookup."""
 
     def __init__(self, keys: dict[int, float], spec: list[int], states: set[int]) -> None:
         self.keys = keys
         self.spec = dict.fromkeys(spec)
         self.mirror = SimpleNamespace(state_ids=states)
-        self.stats = SimpleNamespace(kv_eviction_walks=0)
 
     def speculative_ids(self):
         return self.spec.keys()

@@ -177,14 +177,8 @@ class PlanTable:
                     replanned.append(node)
         return replanned
 
-    def replan(self, node: Node, tree: CheckpointTree) -> tuple[int, ...]:
-        """Re-solve the edge's checkpoint plan with :func:`solve_dp` within ``plan_budget``."""
-        e = self.entries.get(node.uid)
-        if e is None:
-            e = self.entries[node.uid] = EdgePlan()
-        return self._replan(node, e, tree)
-
     def _replan(self, node: Node, e: EdgePlan, tree: CheckpointTree) -> tuple[int, ...]:
+        """Re-solve the edge's checkpoint plan with :func:`solve_dp` within ``plan_budget``."""
         cands = grid_candidates(node.end, self.grid, origin=node.start, include_end=True)
         d, w = self.edge_law(node, tree)
         law = DepthLaw.from_depths(d, w, cands, node.start)

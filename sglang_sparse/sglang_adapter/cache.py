@@ -300,6 +300,12 @@ def _device_policy_walk(tree_core: Any, policy: TreePolicy) -> bool:
     return not tree_core.enable_hicache or policy.config.demote == "policy"
 
 
+def _host_policy_walk(tree_core: Any) -> bool:
+    """Whether the host's drops (HiCache, a host pool short) take the policy's order: with HiCache
+    and without sessions (SGLang's walks skip session-pinned leaves)."""
+    return tree_core.enable_hicache and not tree_core.enable_session_radix_cache
+
+
 class SparseMambaComponent(MambaComponent):
     """Mamba component: policy admission, state events to the mirror, policy eviction order."""
 
@@ -509,9 +515,6 @@ class SparseMambaComponent(MambaComponent):
 
     # ---------------------------------------------------------------- HiCache host drop (order)
 
-    def _host_policy_walk(self) -> bool:
-        return self.tree_core.enable_hicache and not self.tree_core.enable_session_radix_cache
-
     def drive_host_eviction(self, num_tokens, tracker, device_frees, host_frees, cache_actions):
         """HiCache, host state pool short: drop host-only states in the policy's eviction order
         (states on probation first, then the policy's key), not SGLang's host LRU (the order the
@@ -522,7 +525,7 @@ class SparseMambaComponent(MambaComponent):
         evicted whole (KV + state, ``_evict_host_leaf``), an internal node loses its host state
         only (tombstone + cascade). States the policy offers no candidate for follow in SGLang's
         host LRU order. With sessions SGLang's own walk runs (its cursor skips pinned leaves)."""
-        if not self._host_policy_walk():
+        if not _host_policy_walk(self.tree_core):
             return super().drive_host_eviction(num_tokens, tracker, device_frees, host_frees, cache_actions)
         ct = self.component_type
         tc = self.tree_core
@@ -563,6 +566,7 @@ class SparseFullComponent(FullComponent):
         self._ensure_eviction_strategy()
         self._evict_device_request_cnt = request_cnt
         self._evict_device_last_node = None
+        self.cache.policy.stats.kv_eviction_walks += 1
         self._walk = _KVWalk(
             self.tree_core.evictable_device_leaves,
             self.cache.policy,
@@ -601,9 +605,8 @@ class SparseFullComponent(FullComponent):
         write-back duplicate reclaim runs before this (``UnifiedTreeCore.drive_host_eviction``).
         With sessions SGLang's own walk runs."""
         tc = self.tree_core
-        if not tc.enable_hicache or tc.enable_session_radix_cache:
+        if not _host_policy_walk(tc):
             return super().drive_host_eviction(num_tokens, tracker, device_frees, host_frees, cache_actions)
-        self._ensure_eviction_strategy()
         policy = self.cache.policy
         walk = _KVWalk(tc.evictable_host_leaves, policy, tc.eviction_strategy.get_priority)
         ct = self.component_type
@@ -641,7 +644,6 @@ class _KVWalk:
         self.leaves = leaves
         self.base = base
         self.spec = policy.speculative_ids()
-        policy.stats.kv_eviction_walks += 1
         self.mamba = ComponentType.MAMBA
         by_id = leaves.by_id
         states = policy.mirror.state_ids  # what SGLang holds (the invariant checks assert it)
@@ -893,8 +895,8 @@ class SparseRadixCache(UnifiedRadixCache):
             kv_evictable=int(self.full_evictable_size()),
             kv_protected=int(self.full_protected_size()),
             #: checkpoint inserts that resumed at the request's node / fell back to SGLang's walk
-            inserts_hinted=int(getattr(tc, "hinted_inserts", 0)),
-            inserts_unhinted=int(getattr(tc, "unhinted_inserts", 0)),
+            inserts_hinted=tc.hinted_inserts,
+            inserts_unhinted=tc.unhinted_inserts,
             invariant_checks=self._check,
             invariant_violations=self.invariant_violations,
             last_invariant_error=self.last_invariant_error,

@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 def child_env(drop_env: Iterable[str] = (), extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment without variables starting with any of ``drop_env``, with the
     repository first on ``PYTHONPATH`` and ``extra`` on top."""
-    prefixes = tuple(drop_env)
-    env = {k: v for k, v in os.environ.items() if not (prefixes and k.startswith(prefixes))}
+    prefixes = tuple(drop_env)  # str.startswith(()) is False: nothing dropped
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(extra or {})
     return env
