@@ -47,6 +47,24 @@ def test_worker_scores_equal_in_process_replays() -> None:
     )
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes only")
+def test_worker_runs_in_the_idle_class_and_reports_its_cpu() -> None:
+    snap, window, cost = _setup()
+    worker = ReplayWorker()
+    try:
+        assert worker.cpu_seconds() == 0.0  # not started yet
+        before = os.sched_getscheduler(0)
+        worker.submit(snap, window, cost, (0.0, 0.5, 2.0, 8.0)).result(timeout=120)
+        assert os.sched_getscheduler(worker.pid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(0) == before  # the caller's class is untouched
+        first = worker.cpu_seconds()
+        assert first is not None and first > 0
+        worker.submit(snap, window, cost, (0.0, 0.5, 2.0, 8.0)).result(timeout=120)
+        assert worker.cpu_seconds() > first
+    finally:
+        worker.close()
+
+
 def test_worker_reports_errors_and_keeps_serving() -> None:
     snap, window, cost = _setup()
     worker = ReplayWorker()

@@ -337,6 +337,8 @@ def test_alpha_tuned_once_by_default() -> None:
     s = pol.stats
     assert s.tune_runs == 1 and len(s.alpha_tunes) == 1 and s.tune_failures == 0, s
     assert s.tune_windows <= 2 and exports <= 2, (s.tune_windows, exports)  # the apply lags a quarter window
+    # the replay ran in the worker: its CPU is read (psutil) when the run is applied
+    assert s.tune_worker_cpu_s > 0 and s.tune_wait_s >= 0, s
 
 
 def test_structural_edge_ends_are_not_planned() -> None:

@@ -41,6 +41,13 @@ class DepthHistogram:
         self._since_refresh = 0
         self._n = 0
 
+    def copy(self) -> DepthHistogram:
+        """An independent, bit-exact copy (O(bins); no ``copy.deepcopy`` machinery)."""
+        out = DepthHistogram.__new__(DepthHistogram)
+        out.gamma, out.refresh, out._bins = self.gamma, self.refresh, dict(self._bins)
+        out._scale, out._since_refresh, out._n = self._scale, self._since_refresh, self._n
+        return out
+
     def observe(self, depth: int, weight: float = 1.0) -> bool:
         """Record one overlap depth (tokens >= 0). Returns True when a re-plan is due."""
         if depth < 0:

@@ -263,13 +263,23 @@ class PlanTable:
     def snapshot(self, uids: Iterable[int] | None = None) -> PlanTable:
         """An independent copy (only the entries of ``uids``, if given; without the law provider):
         what a :class:`~.cache.CacheSnapshot` carries. Flat (a dict of entries): it pickles and
-        copies without recursion in tree depth, histograms bit-exact."""
-        keep = self.entries if uids is None else {u: self.entries[u] for u in uids if u in self.entries}
-        law, self.law_provider, entries, self.entries = self.law_provider, None, self.entries, keep
-        try:
-            return copy.deepcopy(self)
-        finally:
-            self.law_provider, self.entries = law, entries
+        copies without recursion in tree depth, histograms bit-exact. O(entries + bins), without
+        ``copy.deepcopy`` (which took ~20 s for a 100,000-edge session)."""
+        src = self.entries if uids is None else {u: self.entries[u] for u in uids if u in self.entries}
+        out = PlanTable.__new__(PlanTable)
+        out.__dict__.update(self.__dict__)  # settings (and any instance override), shared immutables
+        out.law_provider = None
+        out.entries = {
+            u: EdgePlan(None if e.hist is None else e.hist.copy(), e.plan, e.fresh) for u, e in src.items()
+        }
+        return out
+
+    def __deepcopy__(self, memo: dict) -> PlanTable:
+        """``copy.deepcopy`` (e.g. of a whole cache): :meth:`snapshot`'s fast copy, the law
+        provider deep-copied as the default would."""
+        out = self.snapshot()
+        out.law_provider = copy.deepcopy(self.law_provider, memo)
+        return out
 
     def with_law(self, law_provider: LawProvider | None) -> PlanTable:
         """An independent copy using ``law_provider`` (:meth:`snapshot`'s inverse)."""

@@ -35,6 +35,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -122,6 +123,13 @@ class PolicyStats:
     #: tuning replays started (a window whose hit rate drifted, or the first one)
     tune_runs: int = 0
     tune_failures: int = 0
+    #: CPU seconds the replay worker process has used (read when a tuning run is applied; the
+    #: replay runs there, not in the scheduler): a reading, never an input to a decision
+    tune_worker_cpu_s: float = 0.0
+    #: wall seconds the scheduler waited for a replay that had not finished at its logical time
+    #: (the worker is in the idle scheduling class: on a saturated machine it runs when nothing
+    #: else wants the core); a reading, never an input to a decision
+    tune_wait_s: float = 0.0
 
 
 class TreePolicy:
@@ -660,12 +668,18 @@ class TreePolicy:
             return
         _, fut, at, current = self._pending_tune
         self._pending_tune = None
+        waited = time.perf_counter()
         try:
             scores = fut.result()
         except Exception:  # noqa: BLE001
             self.stats.tune_failures += 1
             logger.exception("sparse cache: alpha tuning run failed; keeping alpha=%s", self.alpha)
             return
+        finally:
+            self.stats.tune_wait_s += time.perf_counter() - waited
+            cpu = self._worker.cpu_seconds() if self._worker is not None else None
+            if cpu is not None:
+                self.stats.tune_worker_cpu_s = cpu
         assert self.tuner is not None
         a = self.tuner.choose(scores, at_request=at, current=current)
         self.cache.alpha = a

@@ -31,7 +31,8 @@ from concurrent.futures import Future
 from typing import IO, Any
 
 _HEADER = struct.Struct("<Q")
-#: CPU priority increment of the worker (``nice``): it never competes with the scheduler
+#: CPU priority increment of the worker (``nice``), used where the idle scheduling class is not
+#: available: it never competes with the scheduler on equal terms
 WORKER_NICE = 10
 
 
@@ -88,6 +89,20 @@ class ReplayWorker:
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system) the child has used so far: 0.0 before it starts, ``None``
+        when it cannot be read (no psutil, or the child is gone). Reported, never decided on."""
+        pid = self.pid
+        if pid is None:
+            return 0.0
+        try:
+            import psutil
+
+            t = psutil.Process(pid).cpu_times()
+        except Exception:  # noqa: BLE001 - a reading, not a decision
+            return None
+        return float(t.user + t.system)
 
     def _start(self) -> subprocess.Popen[bytes]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -187,12 +202,25 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
         _write_frame(out, answer)
 
 
-def main() -> None:
-    """Child entry point: answer jobs from stdin until EOF."""
+def lower_priority() -> str:
+    """Put this process in Linux's idle scheduling class (it runs only on a core no other process
+    wants), else raise its ``nice`` by :data:`WORKER_NICE`. Returns which took effect
+    (``"idle"``, ``"nice"`` or ``"none"``)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return "idle"
+    except (AttributeError, OSError):
+        pass
     try:
         os.nice(WORKER_NICE)
+        return "nice"
     except OSError:
-        pass
+        return "none"
+
+
+def main() -> None:
+    """Child entry point: answer jobs from stdin until EOF."""
+    lower_priority()
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray writes (print, C libraries) go to stderr, never into the answer stream
     sys.stdout = sys.stderr

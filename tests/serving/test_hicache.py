@@ -4,7 +4,7 @@ SGLang 0.5.23 with ``--enable-hierarchical-cache`` serves the tiny random-weight
 once the plugin's HiCache routes are installed (``kernels/sglang_sparse_kernels/sgl_kernel_cpu/
 hicache.py``: host pools without CUDA, torch copy ops, the ``direct`` io backend resolved
 automatically). A small device pool (1,024 KV tokens, 8 state slots) and a host 6x its size; per
-configuration (native: no_buffer write-through and write-back, extra_buffer write-back at page 16;
+configuration (native: no_buffer write-through, extra_buffer write-back at page 16;
 sparse: no_buffer write-back, extra_buffer write-through at page 16), one server at a time:
 
 * the resolved arguments: io backend ``direct``, layout ``page_first_direct``, without the flags;
@@ -45,6 +45,7 @@ require_serving_stack(cpu_platform=True)
 import requests  # noqa: E402
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
+from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import ServerError, SGLangServer, strategy_setup  # noqa: E402
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns  # noqa: E402
 from sglang_sparse.testing.storm import CAPTURE_OUTCOMES, new_tokens, run_storm, storm_prompts  # noqa: E402
@@ -59,7 +60,6 @@ WT, WB = ["--hicache-write-policy", "write_through"], ["--hicache-write-policy",
 SPARSE = ["--radix-cache-backend", "sparse"]
 CONFIGS = {
     "native_nb_write_through": ("no_buffer", WT),
-    "native_nb_write_back": ("no_buffer", WB),
     "native_eb_write_back_page16": ("extra_buffer", [*WB, "--page-size", "16"]),
     "sparse_nb_write_back": ("no_buffer", [*SPARSE, *WB]),
     "sparse_eb_write_through_page16": ("extra_buffer", [*SPARSE, *WT, "--page-size", "16"]),
@@ -100,7 +100,7 @@ def steps() -> list[tuple[str, Callable[[dict, dict], list[int]]]]:
     return out
 
 
-def run(srv: SGLangServer) -> dict[str, Any]:
+def run(srv: SGLangServer | NoCacheReference) -> dict[str, Any]:
     prompts: dict[str, list[int]] = {}
     outputs: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
@@ -166,8 +166,9 @@ def _serve(
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> dict[str, Any]:
-    return _serve(model_dir, "no_buffer", ["--disable-radix-cache"])
+def reference(model_dir: Path, nocache: NoCacheReference) -> dict[str, Any]:
+    nocache.check_model(model_dir)
+    return run(nocache)
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +302,7 @@ def _assert_idle_clean(srv: SGLangServer) -> dict[str, Any]:
     return s
 
 
-def test_sparse_hicache_storm_with_aborts(model_dir: Path) -> None:
+def test_sparse_hicache_storm_with_aborts(model_dir: Path, nocache: NoCacheReference) -> None:
     """Issue 22: with write-back and the in-forward capture this storm killed the scheduler after
     ~100-190 requests ("Not enough space for mamba ping pong idx" in SGLang's ``alloc_req_slots``):
     the capture slots one step reserved were still pending when the next step allocated its new
@@ -323,19 +324,13 @@ def test_sparse_hicache_storm_with_aborts(model_dir: Path) -> None:
         assert s["captures_published"] > 0, captures
     finally:
         srv.stop()
-    base, env = strategy_setup("no_buffer")
-    ref = _start(
-        SGLangServer(model_dir, base_args=base, env=env, extra_args=["--disable-radix-cache"], **SIZING)
-    )
-    try:
-        want = {k: ref.generate(prompts[k], new_tokens(k)).output_ids for k in sorted(done)}
-    finally:
-        ref.stop()
+    nocache.check_model(model_dir)
+    want = {k: nocache.generate(prompts[k], new_tokens(k)).output_ids for k in sorted(done)}
     assert done == want
 
 
 def _host_short_run(
-    model_dir: Path, prompts: list[list[int]], slots: int
+    model_dir: Path, nocache: NoCacheReference, prompts: list[list[int]], slots: int
 ) -> tuple[list[Any], dict[str, Any]]:
     """Serve ``prompts`` in turn on sparse + HiCache (extra_buffer, write-back, 1,024 device KV
     tokens, host 2x, ``slots`` device state slots), check the idle server is clean
@@ -351,19 +346,14 @@ def _host_short_run(
         srv.stop()
     print({k: s[k] for k in ("host_state_drops", "host_kv_drops", "unscored_evictions", "states_host_only")})
     print("cached:", [r.cached_tokens for r in got])
-    base, env = strategy_setup("no_buffer")
-    ref = _start(
-        SGLangServer(model_dir, base_args=base, env=env, extra_args=["--disable-radix-cache"], **SIZING)
-    )
-    try:
-        want = [ref.generate(p, NEW).output_ids for p in prompts]
-    finally:
-        ref.stop()
-    assert [r.output_ids for r in got] == want
+    nocache.check_model(model_dir)
+    assert [r.output_ids for r in got] == nocache.outputs(prompts, NEW)
     return got, s
 
 
-def test_sparse_hicache_host_pool_short_drops_in_the_policys_order(model_dir: Path) -> None:
+def test_sparse_hicache_host_pool_short_drops_in_the_policys_order(
+    model_dir: Path, nocache: NoCacheReference
+) -> None:
     """A host tier twice the device (8 device, ~16 host state slots) under 10 documents asked 6
     questions each in turn: every request plans a few first-sight states, so the host's state pool
     runs short and drops host-only states in the policy's order (``drive_host_eviction``), every one
@@ -374,13 +364,15 @@ def test_sparse_hicache_host_pool_short_drops_in_the_policys_order(model_dir: Pa
     the LRU.)"""
     docs = [toks(150, 500 + d) for d in range(10)]
     prompts = [docs[i % 10] + toks(20, 900 + i) for i in range(60)]
-    got, s = _host_short_run(model_dir, prompts, slots=8)
+    got, s = _host_short_run(model_dir, nocache, prompts, slots=8)
     assert s["host_state_drops"] > 0, s
     assert s["unscored_evictions"] == 0, s
     assert sum(r.cached_tokens >= 128 for r in got[10:]) >= 40, [r.cached_tokens for r in got]
 
 
-def test_sparse_hicache_host_kv_short_drops_in_the_policys_order(model_dir: Path) -> None:
+def test_sparse_hicache_host_kv_short_drops_in_the_policys_order(
+    model_dir: Path, nocache: NoCacheReference
+) -> None:
     """The host's KV pool runs short first (2x the device's 1,024 tokens, 60 host state slots) under
     4 hot documents of 320 tokens asked 5 questions each in turn, every other request a new cold
     document read once (20): host leaves go in the policy's order
@@ -390,13 +382,13 @@ def test_sparse_hicache_host_kv_short_drops_in_the_policys_order(model_dir: Path
     hot = [toks(320, 700 + d) for d in range(4)]
     prompts = [hot[(i // 2) % 4] if i % 2 == 0 else toks(320, 800 + i) for i in range(40)]
     prompts = [p + toks(20, 1900 + i) for i, p in enumerate(prompts)]
-    got, s = _host_short_run(model_dir, prompts, slots=30)
+    got, s = _host_short_run(model_dir, nocache, prompts, slots=30)
     assert s["host_kv_drops"] > 0, s
     assert s["unscored_evictions"] == 0, s
     assert sum(r.cached_tokens >= 256 for r in got[8::2]) >= 12, [r.cached_tokens for r in got]
 
 
-def test_sparse_hicache_interleaved_300_turn_sessions(model_dir: Path) -> None:
+def test_sparse_hicache_interleaved_300_turn_sessions(model_dir: Path, nocache: NoCacheReference) -> None:
     turns = 300
     srv = _sparse_eb_hicache(model_dir, kv_tokens=4096, slots=16, context=4096)
     try:
@@ -408,20 +400,5 @@ def test_sparse_hicache_interleaved_300_turn_sessions(model_dir: Path) -> None:
     assert s["states_host_only"] > 0, s  # the chains did not fit the device together
     late = [c for cached in run.cached for c in cached[turns // 2 :]]
     assert sum(late) > 0.8 * sum(len(p) for ps in run.prompts for p in ps[turns // 2 :]), "late turns resume"
-    base, env = strategy_setup("no_buffer")
-    ref = _start(
-        SGLangServer(
-            model_dir,
-            base_args=base,
-            env=env,
-            extra_args=["--disable-radix-cache"],
-            context_length=4096,
-            max_total_tokens=8192,
-            max_mamba_cache_size=8,
-        )
-    )
-    try:
-        gen = lambda p, n: ref.generate(p, n)  # noqa: E731
-        assert mismatches(run, gen, sample_turns(turns, head=4, every=75), [0, 1]) == []
-    finally:
-        ref.stop()
+    nocache.check_model(model_dir)
+    assert mismatches(run, nocache.generate, sample_turns(turns, head=4, every=75), [0, 1]) == []

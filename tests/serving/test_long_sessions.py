@@ -23,6 +23,7 @@ pytestmark = pytest.mark.serving
 require_serving_stack()
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
+from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import SGLangServer  # noqa: E402
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns  # noqa: E402
 
@@ -53,7 +54,7 @@ def _server(model_dir: Path, extra: list[str], env: dict | None = None) -> SGLan
     ).start(timeout=300)
 
 
-def test_long_and_interleaved_sessions_default_options(model_dir: Path) -> None:
+def test_long_and_interleaved_sessions_default_options(model_dir: Path, nocache: NoCacheReference) -> None:
     # re-tuning on, so every window snapshots SGLang's tree (by default alpha is tuned once)
     env = {
         "SGLANG_SPARSE_TUNE_WINDOW": "20",
@@ -82,13 +83,12 @@ def test_long_and_interleaved_sessions_default_options(model_dir: Path) -> None:
     assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
     assert s["states_evicted"] + s["kv_leaves_evicted"] > 0, "the sessions should have forced evictions"
     # Tokens identical to no cache on sampled turns (first turns, every 50th, the last).
-    with _server(model_dir, ["--disable-radix-cache"]) as ref:
-        gen = lambda p, n: ref.generate(p, n)  # noqa: E731
-        assert mismatches(chain, gen, sample_turns(TURNS, head=4, every=75), [0]) == []
-        assert mismatches(inter, gen, sample_turns(60, head=2, every=30), [0, 3]) == []
+    nocache.check_model(model_dir)
+    assert mismatches(chain, nocache.generate, sample_turns(TURNS, head=4, every=75), [0]) == []
+    assert mismatches(inter, nocache.generate, sample_turns(60, head=2, every=30), [0, 3]) == []
 
 
-def test_300_turn_session_on_extra_buffer(model_dir: Path) -> None:
+def test_300_turn_session_on_extra_buffer(model_dir: Path, nocache: NoCacheReference) -> None:
     """The same 300-turn chain on SGLang's fast path (extra_buffer, overlap schedule on, page 16):
     every turn whose previous sequence crosses a state-grid point resumes from its grid-floored
     finish state (a decode-time snapshot), the mirror never drifts, nothing leaks at idle, and the
@@ -118,6 +118,5 @@ def test_300_turn_session_on_extra_buffer(model_dir: Path) -> None:
     assert s["invariant_violations"] == 0 and s["mirror_errors"] == 0, s
     assert s["kv_protected"] == 0 and s["mamba_protected"] == 0, s
     assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
-    with _server(model_dir, ["--disable-radix-cache"]) as ref:
-        gen = lambda p, n: ref.generate(p, n)  # noqa: E731
-        assert mismatches(chain, gen, sample_turns(TURNS, head=4, every=75), [0]) == []
+    nocache.check_model(model_dir)
+    assert mismatches(chain, nocache.generate, sample_turns(TURNS, head=4, every=75), [0]) == []

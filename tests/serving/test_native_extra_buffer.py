@@ -2,8 +2,9 @@
 
 Native SGLang 0.5.23 (no ``--radix-cache-backend``) serves the tiny random-weight Qwen3-Next with
 ``--mamba-radix-cache-strategy extra_buffer`` and without ``--disable-overlap-schedule`` at page sizes
-1, 16 and 64, on the opt-in out-of-tree CPU platform (``SGLANG_PLATFORM=sglang_sparse_cpu``,
-``CPU_EXTRA_BUFFER_ENV``; the in-tree CPU platform fails SGLang's extra_buffer platform gate). Checks,
+1 and 16 (64: ``test_sparse_extra_buffer.py`` runs native_eb there against no cache too), on the
+opt-in out-of-tree CPU platform (``SGLANG_PLATFORM=sglang_sparse_cpu``, ``CPU_EXTRA_BUFFER_ENV``;
+the in-tree CPU platform fails SGLang's extra_buffer platform gate). Checks,
 per page size, one server at a time:
 
 * the resolved arguments (``/server_info``): extra_buffer, overlap on, the page size asked;
@@ -39,6 +40,7 @@ require_serving_stack(cpu_platform=True)
 import requests  # noqa: E402
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
+from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import (  # noqa: E402
     CPU_EXTRA_BUFFER_ENV,
     CPU_EXTRA_BUFFER_SERVER_ARGS,
@@ -53,7 +55,7 @@ SESSION_NEW = 16  # turn 1: 250 prompt tokens + 16 crosses the decode track poin
 CHUNK = ["--chunked-prefill-size", "256"]
 KV_TOKENS = 4096
 STATE_SLOTS = 24  # mamba pool slots (a running request holds 1 + 2 ping-pong track slots)
-PAGES = (1, 16, 64)
+PAGES = (1, 16)  # page 64: native_eb in test_sparse_extra_buffer.py
 TRACK_INTERVAL = 256  # SGLang's default --mamba-track-interval
 
 #: Strict checks in the extra_buffer servers: SGLang's idle pool conservation check (default on;
@@ -103,7 +105,10 @@ def burst() -> list[list[int]]:
 
 
 def run_workloads(
-    srv: SGLangServer, session_prompts: list[list[int]] | None = None, *, concurrent: bool = True
+    srv: SGLangServer | NoCacheReference,
+    session_prompts: list[list[int]] | None = None,
+    *,
+    concurrent: bool = True,
 ) -> dict[str, Any]:
     """Every pattern on ``srv``; the session replays ``session_prompts`` when given (else builds
     each turn as previous prompt + its output + 30 new user tokens); the burst is sent 8 at a time
@@ -165,21 +170,10 @@ def _start(srv: SGLangServer) -> SGLangServer:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> dict[str, Any]:
-    """Greedy tokens from a no-cache server (SGLang's in-tree CPU platform, no_buffer)."""
-    srv = _start(
-        SGLangServer(
-            model_dir,
-            extra_args=["--disable-radix-cache", *CHUNK],
-            context_length=CONTEXT,
-            max_total_tokens=KV_TOKENS,
-            max_mamba_cache_size=STATE_SLOTS,
-        )
-    )
-    try:
-        return run_workloads(srv, concurrent=False)
-    finally:
-        srv.stop()
+def reference(model_dir: Path, nocache: NoCacheReference) -> dict[str, Any]:
+    """Greedy tokens from the session's no-cache server (SGLang's in-tree CPU platform, no_buffer)."""
+    nocache.check_model(model_dir)
+    return run_workloads(nocache, concurrent=False)
 
 
 @pytest.fixture(scope="module", params=PAGES, ids=lambda p: f"page{p}")

@@ -37,6 +37,7 @@ if not _entry_point_installed():
 import requests  # noqa: E402
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
+from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import ServerError, SGLangServer  # noqa: E402
 
 VOCAB = 4096
@@ -69,7 +70,7 @@ def workload() -> list[list[int]]:
     return reqs
 
 
-def session_turns(srv: SGLangServer) -> tuple[list[list[int]], list[int]]:
+def session_turns(srv: SGLangServer | NoCacheReference) -> tuple[list[list[int]], list[int]]:
     """A 3-turn session: each turn = previous prompt + its output + new user tokens."""
     prompt = toks(60, 4)
     outs, cached = [], []
@@ -128,39 +129,38 @@ def _start(
     return srv
 
 
-@pytest.fixture(scope="module")
-def results(model_dir: Path) -> dict[str, dict]:
-    """Run every sequential workload on the three servers, one server at a time."""
-    out: dict[str, dict] = {}
-    configs = {
-        "sparse": ["--radix-cache-backend", "sparse"],
-        "native": [],
-        "nocache": ["--disable-radix-cache"],
+def _workloads(srv: SGLangServer | NoCacheReference, overlap: bool) -> dict:
+    """Every sequential workload on ``srv``: outputs and cached tokens of each."""
+    res = [srv.generate(p, NEW) for p in workload()]
+    sess, sess_cached = session_turns(srv)
+    # SGLang #22935 shape (scaled to the tiny model's context): long shared prefix, then 376- and
+    # 1296-token different suffixes, then another long suffix.
+    prefix = toks(600, 5)
+    over = [srv.generate(prefix + toks(n, 500 + i), NEW) for i, n in enumerate((376, 1296, 1290)) if overlap]
+    return {
+        "outputs": [r.output_ids for r in res],
+        "cached": [r.cached_tokens for r in res],
+        "session": sess,
+        "session_cached": sess_cached,
+        "overlap": [r.output_ids for r in over],
+        "overlap_cached": [r.cached_tokens for r in over],
     }
-    for name, extra in configs.items():
+
+
+@pytest.fixture(scope="module")
+def results(model_dir: Path, nocache: NoCacheReference) -> dict[str, dict]:
+    """Every sequential workload on sparse and native, one server at a time, and on the session's
+    no-cache server."""
+    out: dict[str, dict] = {}
+    for name, extra in {"sparse": ["--radix-cache-backend", "sparse"], "native": []}.items():
         srv = _start(model_dir, extra)
         try:
-            res = [srv.generate(p, NEW) for p in workload()]
-            sess, sess_cached = session_turns(srv)
-            # SGLang #22935 shape (scaled to the tiny model's context): long shared prefix, then
-            # 376- and 1296-token different suffixes, then another long suffix.
-            prefix = toks(600, 5)
-            overlap = (
-                [srv.generate(prefix + toks(n, 500 + i), NEW) for i, n in enumerate((376, 1296, 1290))]
-                if name != "nocache"
-                else []
-            )
-            out[name] = {
-                "outputs": [r.output_ids for r in res],
-                "cached": [r.cached_tokens for r in res],
-                "session": sess,
-                "session_cached": sess_cached,
-                "overlap": [r.output_ids for r in overlap],
-                "overlap_cached": [r.cached_tokens for r in overlap],
-                "stats": sparse_stats(srv) if name == "sparse" else None,
-            }
+            res = _workloads(srv, overlap=True)
+            out[name] = {**res, "stats": sparse_stats(srv) if name == "sparse" else None}
         finally:
             srv.stop()
+    nocache.check_model(model_dir)
+    out["nocache"] = {**_workloads(nocache, overlap=False), "stats": None}
     return out
 
 
@@ -302,25 +302,12 @@ def test_kv_pool_pressure_keeps_tokens_and_returns_every_slot(model_dir: Path) -
         srv.stop()
 
 
-@pytest.mark.parametrize(
-    "env,extra,message",
-    [
-        ({"SGLANG_SPARSE_POLICY": "bogus"}, [], "SGLANG_SPARSE_POLICY='bogus': unknown policy"),
-        ({"SGLANG_SPARSE_GAMMA": "2"}, [], "SGLANG_SPARSE_GAMMA='2': must be in (0, 1]"),
-        ({}, ["--page-size", "16"], "needs --page-size 1 (got 16)"),
-        (
-            {"SGLANG_SPARSE_BRANCH_GRID": "8"},
-            ["--page-size", "16"],
-            "SGLANG_SPARSE_BRANCH_GRID=8 must be a multiple of --page-size 16",
-        ),
-    ],
-)
-def test_misconfiguration_fails_at_start(model_dir: Path, env: dict, extra: list, message: str) -> None:
+def test_misconfiguration_fails_at_start(model_dir: Path) -> None:
     """The launcher itself exits with code 2 and the message (no subprocess, no SIGKILL)."""
     srv = SGLangServer(
         model_dir,
-        extra_args=[*CHUNK, "--radix-cache-backend", "sparse", *extra],
-        env=env,
+        extra_args=[*CHUNK, "--radix-cache-backend", "sparse"],
+        env={"SGLANG_SPARSE_POLICY": "bogus"},
         context_length=CONTEXT,
         max_total_tokens=KV_TOKENS,
         max_mamba_cache_size=STATE_SLOTS,
@@ -330,10 +317,48 @@ def test_misconfiguration_fails_at_start(model_dir: Path, env: dict, extra: list
             srv.start(timeout=300)
     finally:
         srv.stop()
+    message = "SGLANG_SPARSE_POLICY='bogus': unknown policy"
     assert message in srv.log_tail(200_000), exc.value
     assert "server not healthy" not in str(exc.value), "should fail fast, not time out"
     assert "exited with code 2" in str(exc.value), exc.value  # a clean exit, not -9
     assert "Scheduler hit an exception" not in srv.log_tail(200_000)  # stopped before any subprocess
+
+
+@pytest.mark.parametrize(
+    "env,strategy,page,message",
+    [
+        ({"SGLANG_SPARSE_GAMMA": "2"}, "no_buffer", 1, "SGLANG_SPARSE_GAMMA='2': must be in (0, 1]"),
+        ({}, "no_buffer", 16, "needs --page-size 1 (got 16)"),
+        (
+            {"SGLANG_SPARSE_BRANCH_GRID": "8"},
+            "extra_buffer",
+            16,
+            "SGLANG_SPARSE_BRANCH_GRID=8 must be a multiple of --page-size 16",
+        ),
+    ],
+)
+def test_launcher_hook_names_each_misconfiguration(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict,
+    strategy: str,
+    page: int,
+    message: str,
+) -> None:
+    """The hook the launcher runs on its resolved arguments (``prepare_server_args``; its exit is
+    checked end to end above) exits with code 2 and names the problem for each misconfiguration."""
+    from types import SimpleNamespace
+
+    from sglang_sparse.sglang_adapter import plugin
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = SimpleNamespace(radix_cache_backend="sparse", disable_radix_cache=False)
+    args.mamba_radix_cache_strategy, args.page_size = strategy, page
+    with pytest.raises(SystemExit) as exc:
+        plugin._server_args_hook(args)  # noqa: SLF001
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_unknown_policy_lists_only_serving_policies() -> None:

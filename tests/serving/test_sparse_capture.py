@@ -1,8 +1,9 @@
 """``SGLANG_SPARSE_CAPTURE=forward`` (in-forward state capture) on the real SGLang 0.5.23 CPU server.
 
 One module-scoped run of the sequential workload of ``test_sparse_backend.py`` (trace-like shared
-prefixes, partial overlaps, a 3-turn session) on four servers, one at a time: no cache, the native
-cache, the sparse cache on the chunk-cut path and on the forward-capture path (both with
+prefixes, partial overlaps, a 3-turn session) on three servers, one at a time, and the session's
+no-cache server: the native cache, the sparse cache on the chunk-cut path and on the forward-capture
+path (both with
 ``SGLANG_SPARSE_MIN_CUT_GAIN=0``, so every planned position is captured, and
 ``SGLANG_SPARSE_TAIL_GRID=1``, so both plan the same positions). Then a concurrent storm
 with aborts against a tiny state pool, and server-free unit tests of the publish/free logic
@@ -28,6 +29,7 @@ from test_sparse_backend import (  # sibling test module (pytest puts tests/serv
     workload,
 )
 
+from sglang_sparse.testing.reference import NoCacheReference
 from sglang_sparse.testing.storm import CAPTURE_OUTCOMES
 
 pytestmark = pytest.mark.serving
@@ -51,9 +53,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir: Path) -> dict[str, dict]:
+def runs(model_dir: Path, nocache: NoCacheReference) -> dict[str, dict]:
     configs = {
-        "nocache": (["--disable-radix-cache"], {}),
         "native": ([], {}),
         "cut": (SPARSE, {**EXACT, "SGLANG_SPARSE_CAPTURE": "cut"}),
         "forward": (SPARSE, {**EXACT, "SGLANG_SPARSE_CAPTURE": "forward"}),
@@ -72,6 +73,8 @@ def runs(model_dir: Path) -> dict[str, dict]:
             }
         finally:
             srv.stop()
+    nocache.check_model(model_dir)  # the session's no-cache server (the same answers, memoized)
+    out["nocache"] = {"outputs": nocache.outputs(workload(), NEW) + session_turns(nocache)[0]}
     return out
 
 

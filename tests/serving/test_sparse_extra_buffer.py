@@ -39,6 +39,7 @@ import requests  # noqa: E402
 from test_sparse_backend import NEW, assert_one_tree, toks, workload  # noqa: E402
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
+from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import (  # noqa: E402
     CPU_EXTRA_BUFFER_ENV,
     CPU_EXTRA_BUFFER_SERVER_ARGS,
@@ -62,7 +63,7 @@ CHECK_ENV = {
 }
 
 
-def patterns(srv: SGLangServer) -> dict[str, list]:
+def patterns(srv: SGLangServer | NoCacheReference) -> dict[str, list]:
     """Every sequential pattern; returns outputs and cached tokens, in order."""
     outs: list[list[int]] = []
     cached: list[int] = []
@@ -114,12 +115,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> dict[str, list]:
-    srv = _server(model_dir, ["--disable-radix-cache"], eb=False)
-    try:
-        return patterns(srv)
-    finally:
-        srv.stop()
+def reference(model_dir: Path, nocache: NoCacheReference) -> dict[str, list]:
+    nocache.check_model(model_dir)
+    return patterns(nocache)
 
 
 @pytest.fixture(scope="module", params=PAGES, ids=lambda p: f"page{p}")
@@ -178,38 +176,10 @@ def test_sparse_on_extra_buffer_reuses_and_leaks_nothing(runs: dict) -> None:
     assert "leaked_mamba_pages={" not in log and "Traceback" not in log
 
 
-def test_default_launch_keeps_sglangs_fast_path(model_dir: Path) -> None:
-    """Only ``--radix-cache-backend sparse`` (no strategy, no overlap flag): SGLang's ``auto``
-    picks extra_buffer with the overlap schedule on, as it does without the flag."""
-    drop = {"--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"}
-    base = [a for a in CPU_SERVER_ARGS if a not in drop]
-    srv = SGLangServer(
-        model_dir,
-        extra_args=[*CHUNK, *SPARSE],
-        env=CPU_EXTRA_BUFFER_ENV,
-        base_args=base,
-        context_length=CONTEXT,
-        max_total_tokens=KV_TOKENS,
-        max_mamba_cache_size=STATE_SLOTS,
-    )
-    try:
-        srv.start(timeout=300)
-        info = server_info(srv)
-        assert info["radix_cache_backend"] == "sparse"
-        assert info["mamba_radix_cache_strategy"] == "extra_buffer", info["mamba_radix_cache_strategy"]
-        assert info["disable_overlap_schedule"] is False
-        assert len(srv.generate(toks(80, 7), NEW).output_ids) == NEW
-        assert "mamba strategy extra_buffer (SGLang's fast path: overlap schedule on" in srv.log_tail(
-            2_000_000
-        )
-    finally:
-        srv.stop()
-
-
 STORM = 500
 
 
-def test_storm_with_aborts_no_leak_tokens_identical(model_dir: Path) -> None:
+def test_storm_with_aborts_no_leak_tokens_identical(model_dir: Path, nocache: NoCacheReference) -> None:
     """500 concurrent requests over 8 shared heads, every 5th aborted mid-flight, against a 30-slot
     state pool (page 16): no crash, every completed request matches no cache token for token, and at idle
     every slot is free or held by the tree (also after a flush)."""
@@ -236,12 +206,8 @@ def test_storm_with_aborts_no_leak_tokens_identical(model_dir: Path) -> None:
         assert s2["mamba_available"] == s2["mamba_pool_size"] and s2["states_held"] == 0, s2
     finally:
         srv.stop()
-    ref = _server(model_dir, ["--disable-radix-cache"], eb=False)
-    try:
-        want = {k: ref.generate(prompts[k], new_tokens(k)).output_ids for k in sorted(done)}
-    finally:
-        ref.stop()
-    assert done == want
+    nocache.check_model(model_dir)
+    assert done == {k: nocache.generate(prompts[k], new_tokens(k)).output_ids for k in sorted(done)}
 
 
 def test_chunk_cut_capture_on_extra_buffer(model_dir: Path, reference: dict) -> None:
@@ -265,27 +231,51 @@ def test_chunk_cut_capture_on_extra_buffer(model_dir: Path, reference: dict) -> 
     assert "capture=cut" in log and "Traceback" not in log
 
 
-def test_tail_prior_plans_a_new_prompts_divergence(model_dir: Path) -> None:
-    """The tail prior learns on the real server (SGLang splits the edge where a match ends, so the
-    match ends one node above the leaf it diverged from) and plans first-sight states: after two
-    prompts each seen twice (the user turn diverges ~20 tokens before the end), the *second*
-    request on a third, longer prompt resumes at its divergence itself (700 for a 700-token
-    prompt: with in-forward capture the tail prior's positions are page-exact, on the grid below
-    they would be 640). SGLang's own extra_buffer keeps chunk-end states only (512 here)."""
+def test_default_launch_keeps_sglangs_fast_path(model_dir: Path) -> None:
+    """Only ``--radix-cache-backend sparse`` (no strategy, no overlap flag): SGLang's ``auto``
+    picks extra_buffer with the overlap schedule on, as it does without the flag.
 
-    def run(extra: list[str]) -> list[int]:
-        srv = _server(model_dir, extra, eb=True, state_slots=32)
-        try:
-            out = []
-            for k, head in enumerate((300, 420, 700)):
-                prefix = toks(head, 60 + k)
-                for q in range(2):
-                    out.append(srv.generate(prefix + toks(18 + q, 70 + 10 * k + q), 1).cached_tokens)
-            return out
-        finally:
-            srv.stop()
+    On that server, the tail prior learns (SGLang splits the edge where a match ends, so the match
+    ends one node above the leaf it diverged from) and plans first-sight states: after two prompts
+    each seen twice (the user turn diverges ~20 tokens before the end), the *second* request on a
+    third, longer prompt resumes at its divergence itself (700 for a 700-token prompt: with
+    in-forward capture the tail prior's positions are page-exact, on the grid below they would be
+    640). SGLang's own extra_buffer keeps chunk-end states only (512 here)."""
 
-    sparse, native = run(SPARSE), run([])
+    def run(srv: SGLangServer) -> list[int]:
+        out = []
+        for k, head in enumerate((300, 420, 700)):
+            prefix = toks(head, 60 + k)
+            for q in range(2):
+                out.append(srv.generate(prefix + toks(18 + q, 70 + 10 * k + q), 1).cached_tokens)
+        return out
+
+    drop = {"--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"}
+    srv = SGLangServer(
+        model_dir,
+        extra_args=[*CHUNK, *SPARSE],
+        env={**CPU_EXTRA_BUFFER_ENV, **CHECK_ENV},
+        base_args=[a for a in CPU_SERVER_ARGS if a not in drop],
+        context_length=CONTEXT,
+        max_total_tokens=KV_TOKENS,
+        max_mamba_cache_size=32,
+    )
+    try:
+        srv.start(timeout=300)
+        info = server_info(srv)
+        sparse = run(srv)
+        log = srv.log_tail(2_000_000)
+    finally:
+        srv.stop()
+    assert info["radix_cache_backend"] == "sparse"
+    assert info["mamba_radix_cache_strategy"] == "extra_buffer", info["mamba_radix_cache_strategy"]
+    assert info["disable_overlap_schedule"] is False
+    assert "mamba strategy extra_buffer (SGLang's fast path: overlap schedule on" in log
+    native_srv = _server(model_dir, [], eb=True, state_slots=32)
+    try:
+        native = run(native_srv)
+    finally:
+        native_srv.stop()
     print("tail prior: cached sparse", sparse, "native_eb", native)
     assert sparse[5] == 700, sparse
     assert native[5] < 640, native
