@@ -43,7 +43,7 @@ class DepthHistogram:
 
     def copy(self) -> DepthHistogram:
         """An independent, bit-exact copy (O(bins); no ``copy.deepcopy`` machinery)."""
-        out = DepthHistogram.__new__(DepthHistogram)
+        out = type(self).__new__(type(self))
         out.gamma, out.refresh, out._bins = self.gamma, self.refresh, dict(self._bins)
         out._scale, out._since_refresh, out._n = self._scale, self._since_refresh, self._n
         return out

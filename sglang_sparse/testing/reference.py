@@ -47,8 +47,6 @@ class NoCacheReference:
         )
         self._srv: SGLangServer | None = None
         self._memo: dict[tuple[tuple[int, ...], int], GenerateResult] = {}
-        #: requests the server really answered (the rest came from the memo)
-        self.served = 0
 
     def check_model(self, model_dir: str | Path) -> None:
         """Raise ``ValueError`` unless ``model_dir`` holds the reference's weights."""
@@ -86,9 +84,7 @@ class NoCacheReference:
         key = (tuple(int(t) for t in input_ids), int(max_new_tokens))
         hit = self._memo.get(key)
         if hit is None:
-            hit = self.server.generate(list(key[0]), key[1], timeout=timeout)
-            self.served += 1
-            self._memo[key] = hit
+            hit = self._memo[key] = self.server.generate(list(key[0]), key[1], timeout=timeout)
         return hit
 
     def outputs(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:

@@ -86,14 +86,13 @@ def patterns(srv: SGLangServer | NoCacheReference) -> dict[str, list]:
     return {"outputs": outs, "cached": cached}
 
 
-def _server(
-    model_dir: Path, extra: list[str], *, eb: bool, env: dict | None = None, **kw: Any
-) -> SGLangServer:
+def _server(model_dir: Path, extra: list[str], *, env: dict | None = None, **kw: Any) -> SGLangServer:
+    """A server on extra_buffer with the overlap schedule (the no-cache reference is the session's)."""
     srv = SGLangServer(
         model_dir,
         extra_args=[*CHUNK, *extra],
-        env={**(CPU_EXTRA_BUFFER_ENV if eb else {}), **CHECK_ENV, **(env or {})},
-        base_args=CPU_EXTRA_BUFFER_SERVER_ARGS if eb else None,
+        env={**CPU_EXTRA_BUFFER_ENV, **CHECK_ENV, **(env or {})},
+        base_args=CPU_EXTRA_BUFFER_SERVER_ARGS,
         context_length=CONTEXT,
         max_total_tokens=kw.pop("kv_tokens", KV_TOKENS),
         max_mamba_cache_size=kw.pop("state_slots", STATE_SLOTS),
@@ -125,7 +124,7 @@ def runs(request: pytest.FixtureRequest, model_dir: Path) -> dict[str, Any]:
     page = ["--page-size", str(request.param)]
     out: dict[str, Any] = {"page": request.param}
     for name, extra in (("native_eb", []), ("sparse", SPARSE)):
-        srv = _server(model_dir, [*page, *extra], eb=True)
+        srv = _server(model_dir, [*page, *extra])
         try:
             info = server_info(srv)
             out[name] = patterns(srv)
@@ -184,7 +183,7 @@ def test_storm_with_aborts_no_leak_tokens_identical(model_dir: Path, nocache: No
     state pool (page 16): no crash, every completed request matches no cache token for token, and at idle
     every slot is free or held by the tree (also after a flush)."""
     prompts = storm_prompts(STORM, toks)
-    srv = _server(model_dir, ["--page-size", "16", *SPARSE], eb=True, state_slots=30)
+    srv = _server(model_dir, ["--page-size", "16", *SPARSE], state_slots=30)
     try:
         done = run_storm(srv, prompts)
         assert srv.alive(), srv.log_tail()
@@ -215,7 +214,7 @@ def test_chunk_cut_capture_on_extra_buffer(model_dir: Path, reference: dict) -> 
     a prefill ends the chunk there, and SGLang's own extra_buffer snapshot at the chunk end is the
     state), at page 16 with the overlap schedule: tokens identical to no cache, cuts made, the
     mirror exact, nothing leaked."""
-    srv = _server(model_dir, ["--page-size", "16", *SPARSE], eb=True, env={"SGLANG_SPARSE_CAPTURE": "cut"})
+    srv = _server(model_dir, ["--page-size", "16", *SPARSE], env={"SGLANG_SPARSE_CAPTURE": "cut"})
     try:
         got = patterns(srv)
         s = srv.wait_sparse_idle()
@@ -271,7 +270,7 @@ def test_default_launch_keeps_sglangs_fast_path(model_dir: Path) -> None:
     assert info["mamba_radix_cache_strategy"] == "extra_buffer", info["mamba_radix_cache_strategy"]
     assert info["disable_overlap_schedule"] is False
     assert "mamba strategy extra_buffer (SGLang's fast path: overlap schedule on" in log
-    native_srv = _server(model_dir, [], eb=True, state_slots=32)
+    native_srv = _server(model_dir, [], state_slots=32)
     try:
         native = run(native_srv)
     finally:
