@@ -16,6 +16,8 @@ different loopback ports (the random-weight tiny hybrid Qwen3-Next of
   (overlap on); ``sparse_nb`` the same on no_buffer;
 * ``lru``, ``marconi`` - the same backend on extra_buffer with ``SGLANG_SPARSE_POLICY=lru`` /
   ``marconi``;
+* ``sparse_a0`` / ``sparse_a8`` - ``sparse`` with the eviction weight fixed
+  (``SGLANG_SPARSE_ALPHA=0`` / ``8``: no tuning replay);
 * ``sparse_cut`` - ``sparse`` with ``SGLANG_SPARSE_CAPTURE=cut`` (planned states by chunk cuts
   instead of in-forward capture; not in the default set);
 * ``nocache`` - ``--disable-radix-cache`` (the reference for token equality);
@@ -173,6 +175,10 @@ CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
         {"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_CAPTURE": "cut"},
         "extra_buffer",
     ),
+    # the default policy at a fixed alpha (no tuning replay): separates the alpha's effect from
+    # the tuning's in the storm (issue 19); ``auto`` lands on 0 on the rag storm
+    "sparse_a0": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_ALPHA": "0"}, "extra_buffer"),
+    "sparse_a8": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_ALPHA": "8"}, "extra_buffer"),
     "nocache": (("--disable-radix-cache",), {}, "no_buffer"),
 }
 #: configurations served by the sparse backend (their /server_info carries the sparse statistics)
@@ -243,9 +249,18 @@ SPARSE_COUNTERS = (
     "captures_published",
     "captures_dropped",
     "invariant_violations",
+    "tune_runs",
+    "tune_wait_s",
 )
 #: sparse-cache gauges reported as read after each run
-SPARSE_GAUGES = ("alpha", "states_held", "kv_tokens_held", "mamba_pool_size", "kv_pool_size")
+SPARSE_GAUGES = (
+    "alpha",
+    "states_held",
+    "kv_tokens_held",
+    "mamba_pool_size",
+    "kv_pool_size",
+    "tune_worker_cpu_s",
+)
 
 #: resident memory of one tiny-model CPU server (4 processes), measured: 1.95 GB
 SERVER_RSS_GB = 2.1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -312,6 +313,8 @@ class SparseMambaComponent(MambaComponent):
     # ---------------------------------------------------------------- keep (admission)
 
     _deferred = False
+    #: whether the node last handed to SGLang for a write-back backup came from the policy's order
+    _backup_scored = True
 
     def offered_position(self, req, token_ids_len: int, is_finished: bool) -> int | None:
         """Depth (tokens) of the state SGLang offers at this checkpoint, ``None`` if none: the live
@@ -459,7 +462,16 @@ class SparseMambaComponent(MambaComponent):
         lru = self.tree_core.lru_lists[ct]
         if tracker[ct] >= self._evict_device_request_cnt:
             return None
-        for x, scored in self._sparse_order:
+        order: Iterable[tuple[Any, bool]] = self._sparse_order
+        back = self._evict_device_cursor
+        if back is not None:
+            # HiCache write-back: SGLang's ``_finish_internal_component_eviction`` hands a node it
+            # backed up back for re-selection (it became a leaf, or lost its device KV) by setting
+            # the cursor, as its own LRU walk resumes there; this walk has already passed it.
+            self._evict_device_cursor = None
+            self.cache.policy.stats.backups_reselected += 1
+            order = itertools.chain(((back, self._backup_scored),), order)
+        for x, scored in order:
             cd = x.component_data[ct]
             if not lru.in_list(x) or cd.value is None or cd.lock_ref > 0:
                 continue  # freed or locked
@@ -477,6 +489,7 @@ class SparseMambaComponent(MambaComponent):
             ):
                 # SGLang's own step (MambaComponent._evict_device_next_node): the cache backs the
                 # state up to the host, then finishes the tombstone (finish_mamba_state_eviction).
+                self._backup_scored = scored
                 return InternalStateBackup(node_id=x.id, num_tokens=1)
             self._tombstone(x, EvictLayer.DEVICE, tracker, device_frees, host_frees, cache_actions)
             return None  # one mutation per step

@@ -111,6 +111,9 @@ class PolicyStats:
     kv_eviction_walks: int = 0
     #: states SGLang evicted that the policy offered no score for (SGLang LRU fallback)
     unscored_evictions: int = 0
+    #: HiCache write-back, ``SGLANG_SPARSE_DEMOTE=policy``: nodes SGLang handed back to the device
+    #: state walk after backing them up (they became leaves or lost their device KV), re-selected
+    backups_reselected: int = 0
     #: HiCache: host-only states dropped in the policy's order (``drive_host_eviction``)
     host_state_drops: int = 0
     #: HiCache: host leaves (KV, and the state a leaf holds) dropped in the policy's order

@@ -321,6 +321,8 @@ def test_sparse_hicache_storm_with_aborts(model_dir: Path, nocache: NoCacheRefer
         captures = {k: s[k] for k in ("captures_reserved", *CAPTURE_OUTCOMES, "captures_dropped")}
         print(f"storm with HiCache: {len(done)}/{storm} completed, host-only states {s['states_host_only']}")
         print(f"capture slots: {captures}")
+        walks = ("backups_reselected", "eviction_walks", "kv_eviction_walks", "host_state_drops")
+        print(f"walks: { {k: s[k] for k in walks} }")
         assert s["captures_published"] > 0, captures
     finally:
         srv.stop()
