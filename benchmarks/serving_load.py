@@ -252,7 +252,8 @@ SPARSE_COUNTERS = (
     "tune_runs",
     "tune_wait_s",
 )
-#: sparse-cache gauges reported as read after each run
+#: sparse-cache gauges reported as read after each run (``tune_worker_cpu_s``: the replay worker's
+#: CPU since the server started; the alpha is tuned once per server, in its first run)
 SPARSE_GAUGES = (
     "alpha",
     "states_held",

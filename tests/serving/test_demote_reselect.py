@@ -52,11 +52,7 @@ class _Node:
         }
 
 
-def _node(nid: int) -> _Node:
-    return _Node(nid)
-
-
-def _walk(a: Any, b: Any) -> SparseMambaComponent:
+def _walk(a: _Node, b: _Node) -> SparseMambaComponent:
     """A Mamba component mid-walk under the policy's order ``[a, b]`` (both scored): ``a`` an internal
     state with no host copy, ``b`` an evictable device leaf."""
     comp = object.__new__(SparseMambaComponent)
@@ -82,7 +78,7 @@ def _step(comp: SparseMambaComponent) -> Any:
 
 
 def test_a_node_handed_back_after_its_backup_is_taken_next() -> None:
-    a, b = _node(1), _node(2)
+    a, b = _Node(1), _Node(2)
     comp = _walk(a, b)
     first = _step(comp)
     assert isinstance(first, InternalStateBackup) and first.node_id == a.id
@@ -97,7 +93,7 @@ def test_a_node_handed_back_after_its_backup_is_taken_next() -> None:
 
 
 def test_a_handed_back_node_no_longer_evictable_is_passed_over() -> None:
-    a, b = _node(1), _node(2)
+    a, b = _Node(1), _Node(2)
     comp = _walk(a, b)
     assert isinstance(_step(comp), InternalStateBackup)
     a.component_data[ComponentType.MAMBA].lock_ref = 1  # a request locked it meanwhile
