@@ -27,11 +27,11 @@ server doing only cache work); times are per call, in microseconds:
   + ``evict(1 token)``. Only when ``sglang`` imports in this interpreter (use
   ``/work/main/.venv/bin/python``); otherwise the JSON says exactly why.
 
-Separate phases: the policy :class:`~sglang_sparse.policy.eviction.Evictor` evicting one leaf at
+Separate phases: the policy :class:`~sglang_sparse.policy.evict.Evictor` evicting one leaf at
 alpha 0 and alpha 2 (incremental candidate index; its first call, which builds the index, is
 reported apart; at alpha 2 alternating with Marconi's min-max score, whose rounds skip the
 decayed score's logarithm), then with a fifth of the leaves made online sessions' tips
-(:mod:`sglang_sparse.policy.chains`): a round's scoring alone alternating chain recency on and
+(:mod:`sglang_sparse.policy.choose`): a round's scoring alone alternating chain recency on and
 off (the same rows: what the sessions' due ticks add to a round), and ``match`` on Python-list
 prompts (list -> int32 conversion).
 

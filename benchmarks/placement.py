@@ -87,7 +87,7 @@ from sglang_sparse.placement import (
     solve_dp_reference,
 )
 from sglang_sparse.policy import HybridCache, ModelCostModel
-from sglang_sparse.policy.eviction import CKPT
+from sglang_sparse.policy.evict import CKPT
 from sglang_sparse.sim.models import cost_model
 from sglang_sparse.tree import Node, as_tokens
 

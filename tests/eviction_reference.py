@@ -1,11 +1,11 @@
 """Reference evictor: the straightforward implementation that
-:class:`sglang_sparse.policy.eviction.Evictor` must match (a test helper, not part of the package).
+:class:`sglang_sparse.policy.evict.Evictor` must match (a test helper, not part of the package).
 
-The rounds are kept verbatim from before the incremental candidate index (:mod:`.eviction_index`)
+The rounds are kept verbatim from before the incremental candidate index (:mod:`.evict`)
 was introduced: each round enumerates every candidate (``candidates()``), scores it from scratch
 (``_candidate()``, which walks ``tree.fallback_depth`` and calls the cost model), min-max
 normalises over all of them and pops a heap. Tests run it side by side with
-:class:`~.eviction.Evictor` on deep copies of the same cache and assert identical freed handles and
+:class:`~.evict.Evictor` on deep copies of the same cache and assert identical freed handles and
 identical trees. It lives in tests/ (like sortedcontainers' reference implementations): the
 package never imports it.
 """
@@ -14,19 +14,27 @@ from __future__ import annotations
 
 import heapq
 
-from sglang_sparse.policy.eviction import CKPT, LEAF, NODE_STATES, CandidateTerms
-from sglang_sparse.policy.eviction_index import Terms, candidate_score, effective_recency, round_constants
+from sglang_sparse.policy.evict import (
+    CKPT,
+    LEAF,
+    NODE_STATES,
+    CandidateTerms,
+    Terms,
+    candidate_score,
+    effective_recency,
+    round_constants,
+)
 from sglang_sparse.tree import Freed, Node
 
 __all__ = ["CKPT", "LEAF", "NODE_STATES", "ReferenceEvictor"]
 
 
 class ReferenceEvictor(CandidateTerms):
-    """The pre-index evictor, the specification of :class:`~.eviction.Evictor`: every round
+    """The pre-index evictor, the specification of :class:`~.evict.Evictor`: every round
     re-enumerates (``candidates()``) and re-scores (``_candidate()``) every candidate, O(n) Python
     per round. Same constructor and decisions; used by the differential tests only. The candidate
-    terms are shared with :class:`~.eviction.Evictor`
-    (:class:`~.eviction.CandidateTerms`); what this class pins down is the round."""
+    terms are shared with :class:`~.evict.Evictor`
+    (:class:`~.evict.CandidateTerms`); what this class pins down is the round."""
 
     def touch(self, node: Node) -> None:
         """No-op (:meth:`Evictor.touch`'s interface): every round re-scores every candidate."""

@@ -1,4 +1,4 @@
-"""Decode-track masks of the sparse backend on extra_buffer (``sglang_adapter/decode_track.py``):
+"""Decode-track masks of the sparse backend on extra_buffer (``sglang_adapter/capture.py``):
 which rows copy their state in a decode step, on fake batches (no server)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_sparse.sglang_adapter import capture_state  # noqa: E402
-from sglang_sparse.sglang_adapter.decode_track import (  # noqa: E402
-    final_track_depth,
+from sglang_sparse.sglang_adapter import capture  # noqa: E402
+from sglang_sparse.sglang_adapter.cache import final_track_depth  # noqa: E402
+from sglang_sparse.sglang_adapter.capture import (  # noqa: E402
     prefix_cache_update_hook,
     refine_decode_tracks,
 )
@@ -128,11 +128,11 @@ def _track_req(committed: int) -> SimpleNamespace:
 
 def test_off_grid_known_boundary_flips_the_slot_without_sglangs_grid_assertion() -> None:
     calls: list[int] = []
-    capture_state.set_decode_grid(GRID)
+    capture.set_decode_grid(GRID)
     try:
         _check_flips(calls)
     finally:
-        capture_state.set_decode_grid(None)
+        capture.set_decode_grid(None)
     # no sparse scheduler in this process (no grid set): always SGLang's own code
     r = _track_req(265)
     prefix_cache_update_hook(

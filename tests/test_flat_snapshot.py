@@ -18,7 +18,7 @@ import pytest
 
 from sglang_sparse.placement import DepthHistogram
 from sglang_sparse.policy import AlphaTuner, CacheSnapshot, HybridCache
-from sglang_sparse.policy.plan_table import EdgePlan, PlanTable
+from sglang_sparse.policy.choose import EdgePlan, PlanTable
 from sglang_sparse.sim import cost_model, synthetic_trace
 from sglang_sparse.sim.common import prepare_requests
 from sglang_sparse.sim.simulator import _serve, _snapshot, warm_replay_score
@@ -196,7 +196,7 @@ def test_random_caches_round_trip_to_the_same_future_decisions(seed: int) -> Non
 
 
 def _chain_state(cache: HybridCache) -> tuple:
-    """Everything the online sessions' tracker holds (:mod:`sglang_sparse.policy.chains`)."""
+    """Everything the online sessions' tracker holds (:mod:`sglang_sparse.policy.choose`)."""
     ch = cache.chains
     return (ch.chains, ch.next_id, ch.gap_sum, ch.gaps, ch.continuation_share, ch.prior_gap(), ch.collect_at)
 

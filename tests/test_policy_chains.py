@@ -1,4 +1,4 @@
-"""Online sessions from structure alone (:mod:`sglang_sparse.policy.chains`): which requests
+"""Online sessions from structure alone (:mod:`sglang_sparse.policy.choose`): which requests
 continue a chain, its arrival statistics, which sequence ends join it, splits, garbage collection,
 the prior gap, and what eviction does with them (superseded states go before the newest turn)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 
 from sglang_sparse.policy import HybridCache, PolicySpec
-from sglang_sparse.policy.eviction import CKPT, LEAF
+from sglang_sparse.policy.evict import CKPT, LEAF
 from sglang_sparse.policy.registry import POLICIES
 from sglang_sparse.sim import cost_model
 

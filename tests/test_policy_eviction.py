@@ -8,7 +8,7 @@ with :class:`Evictor`, the other with :class:`ReferenceEvictor`. After every ste
 locks, versions, eviction index) must be identical, and the evictor's candidate index must equal a
 from-scratch computation (:meth:`CandidateIndex.verify`). Configs: every eviction config of the
 registry plus both ``ckpt_recency`` modes for every candidate scope, min-max and decayed recency,
-chain recency (online sessions, :mod:`sglang_sparse.policy.chains`) with and without the
+chain recency (online sessions, :mod:`sglang_sparse.policy.choose`) with and without the
 superseded demotion, alpha 0 and > 0, budgets small enough for ``drop_unservable`` to fire. The
 workloads continue sequences from their end (sessions) and keep states on probation, so chains,
 superseded states, provisional leaves and probation states all reach the eviction rounds.
@@ -29,8 +29,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_sparse.policy import POLICIES, HybridCache, PolicySpec
-from sglang_sparse.policy.eviction import CKPT, LEAF, EvictionConfig, Evictor, ScoredCandidate
-from sglang_sparse.policy.eviction_index import det_log1p, effective_recency
+from sglang_sparse.policy.evict import (
+    CKPT,
+    LEAF,
+    EvictionConfig,
+    Evictor,
+    ScoredCandidate,
+    det_log1p,
+    effective_recency,
+)
 from sglang_sparse.sim import cost_model
 from sglang_sparse.tree import Freed
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sglang_sparse.policy import HybridCache
-from sglang_sparse.policy.tail_prior import TailPrior
+from sglang_sparse.policy.choose import TailPrior
 from sglang_sparse.sim import cost_model, simulate, synthetic_trace
 from sglang_sparse.sim.common import prepare_requests
 from sglang_sparse.sim.simulator import _serve, warm_replay_score

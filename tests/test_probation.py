@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_sparse.policy.probation import ProbationPlanner
+from sglang_sparse.policy.choose import ProbationPlanner
 
 
 def _planner(observed: list[int]) -> ProbationPlanner:

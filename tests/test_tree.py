@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sglang_sparse.placement import DepthLaw, grid_candidates, solve_dp
-from sglang_sparse.policy.plan_table import PlanTable, _merge_hist, _split_hist
+from sglang_sparse.policy.choose import PlanTable, _merge_hist, _split_hist
 from sglang_sparse.tree import RadixTree
 
 
@@ -267,7 +267,7 @@ def test_checkpoint_map_behaves_like_sorted_dict():
 
     from sortedcontainers import SortedDict
 
-    from sglang_sparse.tree.node import CheckpointMap
+    from sglang_sparse.tree.core import CheckpointMap
 
     rng = np.random.default_rng(2)
     cm, sd = CheckpointMap(), SortedDict()
@@ -362,7 +362,7 @@ def test_split_at_and_truncate_are_exact_and_validated() -> None:
 def test_split_merge_cycles_keep_observation_count() -> None:
     """An edge split and merged again (a live session's path, turn after turn) keeps its
     observation count: a sum on merge doubled it every cycle and overflowed int64 in snapshots."""
-    from sglang_sparse.placement.histogram import DepthHistogram
+    from sglang_sparse.placement.dp import DepthHistogram
 
     h = DepthHistogram(0.99, 10)
     for d in (64, 128, 128, 300):

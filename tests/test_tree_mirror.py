@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from sglang_sparse.policy import HybridCache
-from sglang_sparse.policy.eviction import CKPT
-from sglang_sparse.policy.plan_table import EdgePlan, PlanTable
+from sglang_sparse.policy.choose import EdgePlan, PlanTable
+from sglang_sparse.policy.evict import CKPT
 from sglang_sparse.sglang_adapter.config import SparseConfig
 from sglang_sparse.sglang_adapter.tree_policy import TreePolicy
 from sglang_sparse.sim import cost_model

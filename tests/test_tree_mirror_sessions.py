@@ -1,4 +1,4 @@
-"""Online sessions (:mod:`sglang_sparse.policy.chains`) on the engine mirror: the
+"""Online sessions (:mod:`sglang_sparse.policy.choose`) on the engine mirror: the
 :class:`~sglang_sparse.sglang_adapter.tree_policy.TreePolicy` sees only structural events (no tokens,
 no session ids) and must identify the same sessions, with the same arrival statistics, as the
 simulator's token tree; its eviction order must stay the simulator evictor's, chains included."""
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from sglang_sparse.policy import HybridCache
-from sglang_sparse.policy.eviction import CKPT
+from sglang_sparse.policy.evict import CKPT
 from sglang_sparse.sglang_adapter.config import SparseConfig
 from sglang_sparse.sglang_adapter.tree_policy import TreePolicy
 from sglang_sparse.sim import cost_model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sglang_sparse.policy.plan_table import PlanTable
+from sglang_sparse.policy.choose import PlanTable
 from sglang_sparse.tree import RadixTree
 
 

@@ -9,14 +9,28 @@ checkpoints and is released. ``sys.setprofile`` records every Python call whose 
 cross-file edges (caller file -> callee file, both in the package), the numbers
 ``docs/architecture.md`` quotes.
 
-    .venv/bin/python tools/request_path.py [--json]
+``--server`` measures the same on a real SGLang server process with the default sparse launch
+(``--radix-cache-backend sparse`` on ``extra_buffer``, overlap schedule on, in-forward capture; the
+tiny hybrid model of ``sglang_sparse.models.tiny``; 2,500 KV tokens, 24 state slots, 128-token
+chunks, as the harness). ``tools/request_path_server/sitecustomize.py`` traces the scheduler
+process from the arrival of the traced request (the same sequence as above, 4 decoded tokens each)
+to the arrival of the next one: prefill with its captures, decode, finish, release, and whatever
+the scheduler ran in the idle loop before the next request arrived. SGLang 0.5.23's overlap
+schedule runs in the scheduler thread (no worker thread), so all calls land on one thread (the
+report says which). The JSON adds calls per function and the eviction entry points that ran. About
+2 minutes on 2 cores, mostly server start-up; the server is stopped (its process group killed) at
+the end.
+
+    .venv/bin/python tools/request_path.py [--server] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from array import array
 from pathlib import Path
 from typing import Any
@@ -84,11 +98,75 @@ def trace_one_request() -> dict[str, Any]:
     }
 
 
+def trace_server_request() -> dict[str, Any]:
+    """:func:`trace_one_request` on a real server (``--server``); adds the tracer's own readings."""
+    from sglang_sparse.models.tiny import make_tiny_model
+    from sglang_sparse.testing.server import SGLangServer, strategy_setup
+
+    rng = np.random.default_rng(7)
+
+    def rand(n: int) -> list[int]:
+        return rng.integers(4, 4096, size=n).tolist()  # the tiny model's vocabulary
+
+    model = make_tiny_model(Path(tempfile.gettempdir()) / "request_path_tiny", arch="qwen3_next", seed=0)
+    base, env = strategy_setup("extra_buffer")
+    rid = "request-path-traced"
+    with tempfile.TemporaryDirectory(prefix="request_path_") as tmp:
+        out = Path(tmp) / "trace.json"
+        path = [str(REPO / "tools" / "request_path_server"), str(REPO), str(REPO / "kernels")]
+        env.update(
+            REQUEST_PATH_OUT=str(out),
+            REQUEST_PATH_PKG=PKG,
+            REQUEST_PATH_RID=rid,
+            PYTHONPATH=os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]),
+        )
+        srv = SGLangServer(
+            model,
+            extra_args=["--radix-cache-backend", "sparse", "--chunked-prefill-size", "128"],
+            env=env,
+            base_args=base,
+            context_length=1024,
+            max_total_tokens=2500,
+            max_mamba_cache_size=24,
+            log_path=Path(tmp) / "server.log",
+        )
+        srv.start(timeout=600)
+        try:
+            doc = rand(400)
+            srv.generate(doc + rand(60), 4)
+            for _ in range(10):  # distinct prompts: the pools evict
+                srv.generate(rand(300), 4)
+            srv.generate(doc + rand(60), 4)
+            query = doc + rand(60)
+            traced = srv.generate(query, 4, rid=rid)
+            srv.generate(rand(8), 1)  # its arrival ends the traced window
+            stats = srv.sparse_stats()
+        finally:
+            srv.stop()
+        if not out.exists():
+            raise RuntimeError(f"the scheduler wrote no trace; server log:\n{srv.log_tail()}")
+        res = json.loads(out.read_text())
+    res["cross_file_edges"] = [tuple(e) for e in res["cross_file_edges"]]
+    evict = {  # the eviction entry points (not e.g. ``_sync_evictable``)
+        f: n
+        for f, n in res["calls_by_function"].items()
+        if f.split(":")[1].rsplit(".", 1)[-1].lstrip("_").startswith("evict")
+    }
+    return {
+        "cached_tokens": traced.cached_tokens,
+        "prompt_tokens": len(query),
+        **res,
+        "evict_calls": evict,
+        "sparse_stats_at_end": stats,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    ap.add_argument("--server", action="store_true", help="trace a real SGLang server's scheduler")
     args = ap.parse_args(argv)
-    res = trace_one_request()
+    res = trace_server_request() if args.server else trace_one_request()
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -99,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for f in res["files"]:
         print(f"  {f}")
+    if args.server:
+        print(f"eviction on the path: {res['evict_calls'] or 'none'}; threads: {res['calls_by_thread']}")
     return 0
 
 

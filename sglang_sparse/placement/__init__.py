@@ -19,10 +19,19 @@ from .baselines import (
     log_placement,
     sqrt_placement,
 )
-from .dp import HAVE_NATIVE, Placement, solve_dp, solve_dp_native, solve_dp_python, solve_dp_reference
+from .dp import (
+    DEFAULT_GRID,
+    HAVE_NATIVE,
+    DepthHistogram,
+    DepthLaw,
+    Placement,
+    grid_candidates,
+    solve_dp,
+    solve_dp_native,
+    solve_dp_python,
+    solve_dp_reference,
+)
 from .evaluate import RecomputeStats, evaluate_placement, resume_points
-from .histogram import DepthHistogram
-from .law import DEFAULT_GRID, DepthLaw, grid_candidates
 from .online import (
     PRIOR_WEIGHT,
     REL_RESOLUTION,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .law import DEFAULT_GRID, grid_candidates
+from .dp import DEFAULT_GRID, grid_candidates
 
 Placer = Callable[[int, int, int, int], tuple[int, ...]]
 """Signature shared by the baselines: ``(length, budget, grid, origin) -> positions``."""

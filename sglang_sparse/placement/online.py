@@ -43,9 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .baselines import balanced_placement
-from .dp import solve_dp
-from .histogram import DepthHistogram
-from .law import DEFAULT_GRID, DepthLaw, grid_candidates
+from .dp import DEFAULT_GRID, DepthHistogram, DepthLaw, grid_candidates, solve_dp
 
 PRIOR_WEIGHT = 0.05
 """Mass of prior + hedge as a fraction of the entry's own informative mass (weight at depths

@@ -9,9 +9,9 @@ from sglang_sparse.policy.cost_model import (
     dtype_bytes,
 )
 
-from .admission import ADMISSIONS, capture_positions, marconi_branch_point
 from .cache import CacheSnapshot, HybridCache
-from .eviction import EvictionConfig, Evictor
+from .choose import ADMISSIONS, capture_positions, marconi_branch_point
+from .evict import EvictionConfig, Evictor
 from .registry import (
     POLICIES,
     POLICY_NAMES,

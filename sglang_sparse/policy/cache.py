@@ -14,7 +14,7 @@ Per request (SGLang mapping in brackets)::
     free(freed.kv); free(freed.states)
 
 ``observe`` also recognises a session's next turn (a match ending exactly at a leaf where a
-sequence ended) and ``insert`` hangs the new sequence on that session (:mod:`.chains`; an engine
+sequence ended) and ``insert`` hangs the new sequence on that session (:mod:`.choose`; an engine
 mirror, which has no ``insert``, calls :meth:`HybridCache.end_sequence` on a request's final
 insert instead). Units: tokens, bytes (``budget_bytes`` is shared by KV and states), FLOPs.
 """
@@ -40,22 +40,26 @@ from sglang_sparse.tree import (
 )
 from sglang_sparse.tree.lcp import Tokens
 
-from .admission import capture_positions, marconi_branch_point
-from .chains import ChainTracker
+from .choose import (
+    DEFAULT_PROBATION_BUDGET,
+    ChainTracker,
+    LawProvider,
+    PlanTable,
+    ProbationPlanner,
+    TailPrior,
+    capture_positions,
+    marconi_branch_point,
+)
 from .cost_model import ModelCostModel
-from .eviction import Evictor
-from .eviction_index import PROBATION, SPARE
-from .plan_table import LawProvider, PlanTable
-from .probation import DEFAULT_PROBATION_BUDGET, ProbationPlanner
+from .evict import PROBATION, SPARE, Evictor
 from .registry import PolicySpec, get_policy
-from .tail_prior import TailPrior
 
 
 @dataclass(frozen=True)
 class CapturePlan:
     """What one request captures: ``positions`` (sorted absolute depths, tokens) and the subset of
     them kept on ``probation`` (evicted before every other state until a request resumes from it;
-    see :mod:`.probation`)."""
+    see :mod:`.choose`)."""
 
     positions: tuple[int, ...]
     probation: frozenset[int] = frozenset()
@@ -70,15 +74,15 @@ class CacheSnapshot:
 
     ``tree``: the radix tree (:class:`~sglang_sparse.tree.TreeSnapshot`; it also carries
     ``kv_bytes_per_token``/``state_bytes`` in bytes); ``plans``: the per-edge histograms and plans by
-    node uid (a :meth:`~.plan_table.PlanTable.snapshot`; it also carries ``gamma``/``refresh``/
+    node uid (a :meth:`~.choose.PlanTable.snapshot`; it also carries ``gamma``/``refresh``/
     ``plan_budget``/``grid``; ``None``: none observed yet, default configuration); ``policy``: the
     policy name or spec; ``budget_bytes`` (bytes, KV + states); ``cost``: the cost model (``None`` for
     policies that are not FLOP-aware); ``alpha``: the eviction weight in use (>= 0); ``min_cut_gain``
     and ``branch_grid`` (tokens; ``None``: the tree's grid); ``tail``: the learned :class:`TailPrior`
     (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None``: derived from the
     budget); ``probation``: the state handles on probation and ``prober`` the learned
-    :class:`~.probation.ProbationPlanner` (``None`` = a fresh one); ``chains``: the online sessions
-    (:class:`~.chains.ChainTracker`; ``None`` = a fresh one; the nodes' chain ids are in ``tree``).
+    :class:`~.choose.ProbationPlanner` (``None`` = a fresh one); ``chains``: the online sessions
+    (:class:`~.choose.ChainTracker`; ``None`` = a fresh one; the nodes' chain ids are in ``tree``).
     Engines that keep their own tree build ``tree`` with
     :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest from their config.
     """
@@ -168,7 +172,7 @@ class HybridCache:
         if branch_grid is not None and branch_grid < 1:
             raise ValueError(f"branch_grid must be >= 1, got {branch_grid}")
         #: grid of the Marconi branch point (tokens): ``grid`` unless the engine captures states at
-        #: any page-aligned depth inside a prefill (see :func:`~.admission.capture_positions`)
+        #: any page-aligned depth inside a prefill (see :func:`~.choose.capture_positions`)
         self.branch_grid = int(grid if branch_grid is None else branch_grid)
         if min_cut_gain < 0:
             raise ValueError(f"min_cut_gain must be >= 0, got {min_cut_gain}")
@@ -182,7 +186,7 @@ class HybridCache:
         if fit_tokens is not None and fit_tokens < 0:
             raise ValueError(f"fit_tokens must be >= 0, got {fit_tokens}")
         #: the most KV tokens the cache can hold next to one state (tokens): a sequence longer than
-        #: this gets a *fit state* at the deepest grid position within it (see :mod:`.admission`).
+        #: this gets a *fit state* at the deepest grid position within it (see :mod:`.choose`).
         #: Default ``(budget_bytes - state_bytes) // kv_bytes_per_token``; an engine whose KV pool
         #: is smaller than that (SGLang: KV and states in separate pools) passes its pool size.
         self.fit_tokens: int | None = (
@@ -193,12 +197,12 @@ class HybridCache:
         #: KV tokens one state's bytes would hold (room a fit state leaves per extra state)
         self._state_tokens = -(-state_bytes // kv_bytes_per_token) if kv_bytes_per_token else 0
         #: state handles on probation -> tier (``PROBATION``: a plan's first-sight guess, ``SPARE``:
-        #: an engine-offered state no plan asked for; ``sparse`` admission only, see :mod:`.probation`)
+        #: an engine-offered state no plan asked for; ``sparse`` admission only, see :mod:`.choose`)
         self.probation: dict[Any, int] = {}
         self.prober = ProbationPlanner(gamma, grid=grid, budget=probation_budget)
         #: handles of states the tail prior placed that no request has resumed from yet
         self.tail_states: dict[Any, None] = {}
-        #: online sessions (chains of leaves continued from their end; see :mod:`.chains`), tracked
+        #: online sessions (chains of leaves continued from their end; see :mod:`.choose`), tracked
         #: for every policy, used by eviction when ``spec.eviction.chain_recency``
         self.chains = ChainTracker(grid=grid)
         self.evictor = Evictor(
@@ -304,7 +308,7 @@ class HybridCache:
 
     def observe(self, match: MatchResult) -> None:
         """Record the admitted request's match (clock, recency, depth law, re-plans, tail prior,
-        and an arrival of the online session it continues, if any: :mod:`.chains`)."""
+        and an arrival of the online session it continues, if any: :mod:`.choose`)."""
         node = match.node
         leaf = sequence_leaf(node) if match.kv_depth >= self.grid and node.parent is not None else None
         if leaf is not None:
@@ -330,7 +334,7 @@ class HybridCache:
 
     def end_sequence(self, node: Node) -> None:
         """A sequence (a request's input + output) ended at ``node``'s end: it joins the chain it
-        continued, if any (:meth:`~.chains.ChainTracker.end_sequence`). :meth:`insert` calls it; an
+        continued, if any (:meth:`~.choose.ChainTracker.end_sequence`). :meth:`insert` calls it; an
         engine mirror calls it on a request's final insert."""
         self.chains.end_sequence(node)
 
@@ -349,7 +353,7 @@ class HybridCache:
         :meth:`observe`) and its plan captures the exact point where it diverges
         (``match.kv_depth``): the guess, above that point on the same path, now serves only
         requests that would diverge between the two depths, which none has yet. It becomes a
-        *spare* state (evicted first of all, see :mod:`.probation`) instead of a normal one, so a
+        *spare* state (evicted first of all, see :mod:`.choose`) instead of a normal one, so a
         request that learns where its prefix really ends adds no state net of the one it used, and
         under pool pressure other prefixes' first-sight states are not pushed out for it. Returns
         whether it was demoted. Call after :meth:`observe` and :meth:`plan`."""
@@ -376,11 +380,11 @@ class HybridCache:
         ``<= input_len`` during prefill, deeper ones during decode (``total_len`` defaults to
         ``input_len``), and which of them are kept on probation.
 
-        ``sparse`` admission: its planned positions (:func:`~.admission.capture_positions`) and the
+        ``sparse`` admission: its planned positions (:func:`~.choose.capture_positions`) and the
         positions the request ``named`` itself (prompt positions an application knows divergences
         at: chat message boundaries, the end of a document), plus on probation up to
         ``probation_budget`` first-sight positions on the new part of the prompt
-        (:class:`~.probation.ProbationPlanner`) and the last-token state when it is not planned.
+        (:class:`~.choose.ProbationPlanner`) and the last-token state when it is not planned.
 
         ``min_cut_gain`` (engine cost, tokens; 0 = captures are free, as with a capture kernel):
         a position inside the prefill (``< input_len``) is dropped when it lies fewer than

@@ -59,12 +59,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .eviction import EvictionConfig
+from .evict import EvictionConfig
 
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A named policy: admission kind (see :mod:`.admission`), eviction config, whether alpha is tuned."""
+    """A named policy: admission kind (see :mod:`.choose`), eviction config, whether alpha is tuned."""
 
     name: str
     admission: str
@@ -81,12 +81,12 @@ _MARCONI_EVICT = EvictionConfig(node_states=True, ckpt_scope="none", ckpt_recenc
 # traces: node-level recency keeps obsolete interior states of live agent sessions (every turn walks
 # their path), and letting the tuner switch granularity per window was unstable (agent at 20% of the
 # footprint: 0.29 vs 0.46 token hit rate), so the granularity is fixed. Recency decays on a scale of
-# SPARSE_RECENCY_SCALE ticks (:mod:`.eviction`): Marconi's min-max recency let alpha keep an
+# SPARSE_RECENCY_SCALE ticks (:mod:`.evict`): Marconi's min-max recency let alpha keep an
 # efficient item forever (see docs/sparse_backend.md, "Eviction score", for the measured effect).
 #: decayed-recency time scale of ``sparse`` (logical ticks; the simulator ticks twice per request,
 #: at match and at insert: 20 ticks = 10 requests)
 SPARSE_RECENCY_SCALE = 20.0
-#: ticks a superseded state of an online session is set back (see :mod:`.chains`): two recency
+#: ticks a superseded state of an online session is set back (see :mod:`.choose`): two recency
 #: scales. Measured on agent (token hit rate at 20 / 30 / 50% of the footprint, alpha tuned) when a
 #: superseded state ranked at its session's due tick minus this: 0 ticks 0.433 / 0.632 / 0.750, 10:
 #: 0.519 / 0.725 / 0.852, 20: 0.531 / 0.706 / 0.918, 40: 0.576 / 0.741 / 0.932, 1000 (in effect:

@@ -46,9 +46,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import (
 )
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from .decode_track import final_track_depth
-from .hints import request_checkpoints
-from .tree_policy import EngineNode, TreePolicy
+from .tree_policy import EngineNode, TreePolicy, request_checkpoints
 
 logger = logging.getLogger("sglang_sparse")
 
@@ -63,6 +61,15 @@ def _child_key(node: Any, page_size: int) -> Any:
 def _holds_state(cd: Any) -> bool:
     """A node's Mamba component data holds a state on the device or (HiCache) on the host."""
     return cd.value is not None or getattr(cd, "host_value", None) is not None
+
+
+def final_track_depth(input_len: int, max_new_tokens: int | None, page_size: int) -> int | None:
+    """Depth (tokens) of the exact finish state of a request that runs to ``max_new_tokens``: the
+    key SGLang inserts at finish (prompt + output - 1 tokens; the last sampled token is never
+    fed), page-aligned down; ``None`` without a length limit (no depth to track)."""
+    if not max_new_tokens:
+        return None
+    return (int(input_len) + int(max_new_tokens) - 1) // page_size * page_size
 
 
 class _LeafSet(set):
@@ -731,7 +738,8 @@ class SparseRadixCache(UnifiedRadixCache):
         self.policy = policy
         self._pending_match: dict[str, tuple[int, int, int | None]] = {}
         #: extra_buffer: rid -> depth (tokens) of its exact finish track, for the requests whose plan
-        #: expects a continuation (set once at planning, dropped at release; see :mod:`.decode_track`)
+        #: expects a continuation (set once at planning, dropped at release; see
+        #: :func:`~.capture.refine_decode_tracks`)
         self.finish_tracks: dict[str, int] = {}
         self._kv_bytes = int(kv_bytes_per_token)
         self._state_bytes = int(state_bytes)
@@ -761,7 +769,7 @@ class SparseRadixCache(UnifiedRadixCache):
     # ---------------------------------------------------------------- capture
 
     #: extra_buffer: ``ScheduleBatch.prepare_for_decode`` keeps decode tracks only for the requests
-    #: whose plan wants them (set by the backend factory; see :mod:`.decode_track`)
+    #: whose plan wants them (set by the backend factory; see :func:`~.capture.refine_decode_tracks`)
     decode_tracking = False
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:

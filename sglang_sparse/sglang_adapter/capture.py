@@ -17,7 +17,7 @@ Data flow (one scheduler step, no overlap schedule, page size 1 -- both required
    batch: deterministic, a pure function of the batch and the pool). The slots are *pending*
    (``cache._capture_pending[rid]``), owned by the cache until published or freed.
 2. ``ForwardBatch.init_new`` (AFTER hook): the plan is popped from the ScheduleBatch and becomes
-   the process's *forward plan* (:mod:`.capture_state`) for exactly this forward (SGLang's eager
+   the process's *forward plan* (the hand-offs below) for exactly this forward (SGLang's eager
    runner copies the ForwardBatch, so the plan cannot ride on it as an attribute).
 3. ``GDNAttnBackend._convolve_prefill`` (AROUND): before the conv kernel overwrites the working
    slots, the conv state at every capture (the last ``W - 1`` pre-conv inputs, spliced from the
@@ -47,6 +47,61 @@ Invariants:
 
 Only the CPU path (the project's pure-torch ``sgl_kernel`` shim) implements steps 3-4; GPU kernels
 (Triton/FlashInfer list capture) are Step 2, and the factory refuses ``forward`` elsewhere.
+
+Per-process hand-offs
+---------------------
+
+Per-process hand-offs of an in-forward capture plan (no SGLang import; the plugin's thin hook
+wrappers consult them on every call).
+
+* The *forward plan*: set by the ``ForwardBatch.init_new`` hook for the forward being built (cleared
+  by the next ``init_new`` without a plan, or once every GDN layer wrote it). It cannot ride on the
+  ForwardBatch: SGLang's eager runner (``EagerRunner.load_batch``) copies the live batch into its
+  static buffers, a new object without our attribute. A batch's ``init_new`` is followed by its own
+  forward before the next ``init_new``, with or without the overlap schedule: SGLang's overlap loop
+  is single-threaded (``run_batch`` builds the ForwardBatch and launches every layer of forward N,
+  then processes the result of N-1), so the plan of forward N is never seen by N+1.
+* :class:`Active`: layers run one at a time in the scheduler's forward thread, so one slot suffices:
+  the conv hook of layer ``L`` sets it, the kernel hook of the same layer consumes it.
+* The *decode grid* (``extra_buffer`` only): set once by the backend factory in the scheduler
+  process; SGLang's ``mamba_track_grid`` returns it instead of ``lcm(grid, --mamba-track-interval)``
+  so decode states can be tracked on the policy's grid (which rows track is the policy's choice).
+
+Decode-time state tracks (:func:`refine_decode_tracks`)
+-------------------------------------------------------
+
+SGLang snapshots a decoding request's recurrent state into its ping-pong buffer whenever its length
+crosses ``mamba_track_grid`` (``lcm(state grid, --mamba-track-interval)``, 256 tokens by default),
+for every request, and at finish inserts the latest snapshot that fits the key. With the sparse
+backend the grid is the policy's (the plugin's hook on ``mamba_track_grid``), and after
+``ScheduleBatch.prepare_for_decode`` built the per-row masks, :func:`refine_decode_tracks`
+
+* clears them for the requests whose plan wants no state past the prompt (no copy is made);
+* for the others keeps every grid point, and for those whose plan holds a *normal* (not probation)
+  state past the prompt (a session's next turn is expected: ``TreePolicy.wants_exact_finish``)
+  adds one **exact finish track**: the step whose state covers ``final_track_depth`` tokens, the
+  deepest page-aligned depth of the key SGLang inserts when the request finishes at
+  ``max_new_tokens`` (``prompt + max_new_tokens - 1``: the last sampled token is never fed). A
+  request that runs to its length (every benchmark client's default, ``ignore_eos``) then leaves
+  the state at the end of its key instead of up to one grid step (64 tokens) below it, so the next
+  turn of a conversation resumes where this one ended. One state copy per request, in the forward
+  SGLang runs anyway. A request that stops earlier (EOS, stop string, abort) never reaches that
+  step and finishes on its last grid point, as before. A request whose only state past the prompt
+  is the unplanned last token (on probation) gets no exact copy: its grid finish is often dominated
+  by a prompt state and not inserted at all, while an exact one would be, and under pool pressure
+  it would push out other requests' first-sight states (``test_interleaved_groups.py``).
+
+Off-grid tracks reuse SGLang's ping-pong bookkeeping unchanged (the result processor names the
+snapshot ``mamba_last_track_seqlen = kv_committed_len - lookahead`` from the mask); the one place
+that assumes grid alignment, the assertion in ``_mamba_prefix_cache_update``'s known-boundary
+branch, is bypassed for off-grid depths by :func:`prefix_cache_update_hook`, which performs the
+same slot flip.
+
+Invariant: a row's mask (this step) and next-mask (the step after, read by the overlap scheduler
+when it processes a result one step late) agree: the next-mask at depth ``d - 1`` is set exactly
+when the mask at ``d`` will be, and a request's choice never changes while it decodes (its plan and
+``max_new_tokens`` are fixed at admission), so the result processor's view of a boundary always
+matches what the forward did.
 """
 
 from __future__ import annotations
@@ -58,18 +113,8 @@ from typing import Any
 import torch
 
 from .cache import SparseMambaComponent, SparseRadixCache, key_length
-from .capture_state import Active as _Active
-from .capture_state import clear as _clear_active
-from .capture_state import forward_plan as _forward_plan
-from .capture_state import set_forward_plan as _set_forward_plan
 
 logger = logging.getLogger("sglang_sparse")
-
-PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
-INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-CONV_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend._convolve_prefill"
-EXTEND_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
-HOOK_TARGETS = (PREPARE_TARGET, INIT_NEW_TARGET, CONV_TARGET, EXTEND_TARGET)
 
 
 @dataclass
@@ -404,19 +449,6 @@ class CaptureRadixCache(SparseRadixCache):
 # ---------------------------------------------------------------------- hooks
 
 
-def hooks_applied() -> bool:
-    """True when SGLang applied all four hooks in this process (checked by the factory)."""
-    import pkgutil
-
-    for target in HOOK_TARGETS:
-        obj_path, attr = target.rsplit(".", 1)
-        fn = pkgutil.resolve_name(obj_path).__dict__.get(attr)
-        fn = getattr(fn, "__func__", fn)
-        if fn is None or not hasattr(fn, "__wrapped__"):
-            return False
-    return True
-
-
 def _prepare_for_extend_hook(result, self, *args, **kwargs):
     cache = getattr(self, "tree_cache", None)
     if not getattr(cache, "capture_forward", False):
@@ -433,7 +465,7 @@ def _init_new_hook(result, cls, batch, *args, **kwargs):
     plan = batch.__dict__.pop("sparse_capture", None) if hasattr(batch, "__dict__") else None
     if plan is not None and not plan.slots:  # every capture reclaimed before its forward
         plan = None
-    _set_forward_plan(plan)
+    set_forward_plan(plan)
     if plan is not None:
         cache = getattr(batch, "tree_cache", None)
         if cache is not None and hasattr(cache, "capture_stats"):
@@ -442,8 +474,8 @@ def _init_new_hook(result, cls, batch, *args, **kwargs):
 
 
 def _convolve_prefill_hook(original, self, layer, forward_batch, mixed_qkv, conv_states, cache_indices):
-    plan: CapturePlan | None = _forward_plan()
-    _clear_active()
+    plan: CapturePlan | None = forward_plan()
+    clear_active()
     mode = forward_batch.forward_mode
     if (
         plan is not None
@@ -472,20 +504,20 @@ def _convolve_prefill_hook(original, self, layer, forward_batch, mixed_qkv, conv
             capture_pool=pool,
         )
         plan.conv_layers.add(int(layer.layer_id))
-        _Active.layer_id, _Active.plan, _Active.n_seq = int(layer.layer_id), plan, n_seq
+        Active.layer_id, Active.plan, Active.n_seq = int(layer.layer_id), plan, n_seq
     return original(self, layer, forward_batch, mixed_qkv, conv_states, cache_indices)
 
 
 def _extend_hook(original, self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, **kwargs):
-    plan = _Active.plan
+    plan = Active.plan
     layer_id = kwargs.get("layer_id")
-    if plan is None or layer_id is None or int(layer_id) != _Active.layer_id:
+    if plan is None or layer_id is None or int(layer_id) != Active.layer_id:
         return original(
             self, q, k, v, g, beta,
             ssm_states=ssm_states, cache_indices=cache_indices, query_start_loc=query_start_loc, **kwargs,
         )  # fmt: skip
-    n_seq = _Active.n_seq
-    _clear_active()
+    n_seq = Active.n_seq
+    clear_active()
     from sglang_sparse_kernels.sgl_kernel_cpu import delta_rule
 
     # extra_buffer: SGLang snapshots its own track state from the per-chunk states ``h`` (as from
@@ -514,7 +546,7 @@ def _extend_hook(original, self, q, k, v, g, beta, *, ssm_states, cache_indices,
     h = out[2] if with_h else None
     plan.ssm_layers.add(int(layer_id))
     if plan.complete:
-        _set_forward_plan(None)  # every GDN layer wrote it: nothing later may write these slots
+        set_forward_plan(None)  # every GDN layer wrote it: nothing later may write these slots
     return o, final, h
 
 
@@ -523,3 +555,106 @@ def _sglang_tracks_prefill_states() -> bool:
     from sgl_kernel.mamba import sglang_tracks_prefill_states
 
     return bool(sglang_tracks_prefill_states())
+
+
+# ---------------------------------------------------------------------- per-process hand-offs
+
+
+class Active:
+    """``layer_id``: GDN layer whose kernel call must capture; ``plan``: its ``CapturePlan``;
+    ``n_seq``: sequences (rows) of the forward."""
+
+    layer_id: int | None = None
+    plan: Any = None
+    n_seq: int = 0
+
+
+_FORWARD_PLAN: list[Any] = [None]
+
+
+def set_forward_plan(plan: Any) -> None:
+    _FORWARD_PLAN[0] = plan
+
+
+def forward_plan() -> Any:
+    return _FORWARD_PLAN[0]
+
+
+def active() -> bool:
+    return Active.plan is not None
+
+
+def clear_active() -> None:
+    Active.layer_id, Active.plan, Active.n_seq = None, None, 0
+
+
+_DECODE_GRID: list[int | None] = [None]
+
+
+def set_decode_grid(grid: int | None) -> None:
+    _DECODE_GRID[0] = None if grid is None else int(grid)
+
+
+def decode_grid() -> int | None:
+    return _DECODE_GRID[0]
+
+
+# ---------------------------------------------------------------------- decode-time tracks
+
+
+def refine_decode_tracks(batch: Any) -> int:
+    """Adjust the decode-track masks of ``batch`` (see the module docstring); returns the number of
+    rows whose mask changed. Cost per row: one dict lookup (finish depths are computed at planning,
+    ``cache.finish_tracks``); the policy is asked only about rows at (or one before) a grid point."""
+    mask = batch.mamba_track_mask_cpu
+    if not mask:
+        return 0
+    nxt = batch.mamba_track_mask_next_cpu
+    cache = batch.tree_cache
+    wants = cache.wants_decode_state
+    finals = cache.finish_tracks
+    seq_lens = batch.seq_lens_cpu.tolist() if finals else None
+    changed = 0
+    for i, req in enumerate(batch.reqs):
+        final = finals.get(req.rid) if finals else None
+        at_final = final is not None and seq_lens[i] == final
+        before_final = final is not None and nxt is not None and seq_lens[i] == final - 1
+        grid_row = mask[i] or (nxt is not None and nxt[i])
+        if not (grid_row or at_final or before_final):
+            continue
+        if grid_row and not wants(req.rid):
+            if mask[i]:
+                mask[i] = False
+                changed += 1
+            if nxt is not None:
+                nxt[i] = False
+        if at_final or before_final:  # a finish track implies wants(): nothing was cleared
+            if at_final and not mask[i]:
+                mask[i] = True
+                changed += 1
+            if before_final:
+                nxt[i] = True
+    if changed:
+        import torch
+
+        batch.mamba_track_mask = torch.tensor(mask, dtype=torch.bool).to(batch.device, non_blocking=True)
+    return changed
+
+
+def prefix_cache_update_hook(original, self, req, batch, result, i, known_boundary: bool = False):
+    """AROUND ``SchedulerBatchResultProcessor._mamba_prefix_cache_update``: for a known boundary off
+    SGLang's track grid (only an exact finish track is; the sparse backend is the only one that sets
+    such a mask) flip the ping-pong slot the next track writes, as SGLang's non-lazy branch does,
+    without its grid assertion. Everything else is SGLang's own code."""
+    grid = decode_grid()  # what SGLang's mamba_track_grid returns in this process
+    if (
+        known_boundary
+        and grid
+        and getattr(self.tree_cache, "decode_tracking", False)
+        and req.kv.mamba_ping_pong_track_buffer is not None
+        and req.kv.kv_committed_len % grid
+    ):
+        pool = batch.req_to_token_pool
+        req.kv.mamba_next_track_idx = pool.get_mamba_ping_pong_other_idx(req.kv.mamba_next_track_idx)
+        return None
+    return original(self, req, batch, result, i, known_boundary=known_boundary)

@@ -54,20 +54,25 @@ def register() -> None:
     HookRegistry.register(_CAPTURE_CONV_TARGET, _capture_conv_hook, HookType.AROUND)
     HookRegistry.register(_CAPTURE_EXTEND_TARGET, _capture_extend_hook, HookType.AROUND)
     # extra_buffer: decode-time states on the policy's grid, tracked only for requests whose plan
-    # wants a state past the prompt (sglang_sparse.sglang_adapter.decode_track).
+    # wants a state past the prompt (capture.refine_decode_tracks).
     HookRegistry.register(_TRACK_GRID_TARGET, _track_grid_hook, HookType.AROUND)
     HookRegistry.register(_DECODE_TARGET, _prepare_for_decode_hook, HookType.AFTER)
     HookRegistry.register(_TRACK_UPDATE_TARGET, _track_update_hook, HookType.AROUND)
-    # /v1/chat/completions: message boundaries become planned states (sglang_adapter.hints).
+    # /v1/chat/completions: message boundaries become planned states (tree_policy.add_chat_boundaries).
     HookRegistry.register(_CHAT_TARGET, _chat_request_hook, HookType.AFTER)
     _registered = True
 
 
-# Same strings as sglang_sparse.sglang_adapter.capture.HOOK_TARGETS (that module imports SGLang).
 _CAPTURE_PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 _CAPTURE_INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 _CAPTURE_CONV_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend._convolve_prefill"
 _CAPTURE_EXTEND_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
+_CAPTURE_TARGETS = (
+    _CAPTURE_PREPARE_TARGET,
+    _CAPTURE_INIT_NEW_TARGET,
+    _CAPTURE_CONV_TARGET,
+    _CAPTURE_EXTEND_TARGET,
+)
 _TRACK_GRID_TARGET = "sglang.srt.runtime_context.mamba_track_grid"
 _DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 _TRACK_UPDATE_TARGET = (
@@ -82,34 +87,40 @@ def _chat_request_hook(result, self, request, *args, **kwargs):
     (and the messages the request names) to the request's planned positions."""
     server_args = getattr(getattr(self, "tokenizer_manager", None), "server_args", None)
     if getattr(server_args, "radix_cache_backend", None) == BACKEND_NAME and isinstance(result, tuple):
-        from .hints import add_chat_boundaries
+        from .tree_policy import add_chat_boundaries
 
         add_chat_boundaries(self, result[0], request)
     return result
 
 
+def _capture_module() -> Any:
+    """The capture module if this process built a sparse backend (its factory imports it), else
+    ``None``: the wrappers below then call SGLang's function unchanged and import nothing."""
+    return sys.modules.get(f"{__package__}.capture")
+
+
 def _track_grid_hook(original, *args, **kwargs):
     """SGLang's decode-track grid (``lcm(checkpoint grid, --mamba-track-interval)``), replaced in a
     scheduler whose cache is the sparse backend on ``extra_buffer`` by the policy's grid: which
-    grid points a request really tracks is the policy's per-request choice (decode_track)."""
-    from . import capture_state
-
-    grid = capture_state.decode_grid()
+    grid points a request really tracks is the policy's per-request choice (capture.py)."""
+    cap = _capture_module()
+    grid = cap.decode_grid() if cap is not None else None
     return grid if grid is not None else original(*args, **kwargs)
 
 
 def _prepare_for_decode_hook(result, self, *args, **kwargs):
     if getattr(getattr(self, "tree_cache", None), "decode_tracking", False):
-        from .decode_track import refine_decode_tracks
+        from .capture import refine_decode_tracks
 
         refine_decode_tracks(self)
     return result
 
 
 def _track_update_hook(original, self, *args, **kwargs):
-    from .decode_track import prefix_cache_update_hook
-
-    return prefix_cache_update_hook(original, self, *args, **kwargs)
+    cap = _capture_module()
+    if cap is None:
+        return original(self, *args, **kwargs)
+    return cap.prefix_cache_update_hook(original, self, *args, **kwargs)
 
 
 def _capture_prepare_hook(result, self, *args, **kwargs):
@@ -121,34 +132,40 @@ def _capture_prepare_hook(result, self, *args, **kwargs):
 
 
 def _capture_init_new_hook(result, cls, batch, *args, **kwargs):
-    from . import capture_state
-
+    cap = _capture_module()
+    if cap is None:
+        return result
     if getattr(batch, "sparse_capture", None) is not None:
-        from .capture import _init_new_hook
-
-        return _init_new_hook(result, cls, batch, *args, **kwargs)
-    capture_state.set_forward_plan(None)  # this forward carries no plan
+        return cap._init_new_hook(result, cls, batch, *args, **kwargs)
+    cap.set_forward_plan(None)  # this forward carries no plan
     return result
 
 
 def _capture_conv_hook(original, self, layer, forward_batch, *args, **kwargs):
-    from . import capture_state
-
-    if capture_state.forward_plan() is not None or capture_state.active():
-        from .capture import _convolve_prefill_hook
-
-        return _convolve_prefill_hook(original, self, layer, forward_batch, *args, **kwargs)
+    cap = _capture_module()
+    if cap is not None and (cap.forward_plan() is not None or cap.active()):
+        return cap._convolve_prefill_hook(original, self, layer, forward_batch, *args, **kwargs)
     return original(self, layer, forward_batch, *args, **kwargs)
 
 
 def _capture_extend_hook(original, self, *args, **kwargs):
-    from . import capture_state
-
-    if capture_state.active():
-        from .capture import _extend_hook
-
-        return _extend_hook(original, self, *args, **kwargs)
+    cap = _capture_module()
+    if cap is not None and cap.active():
+        return cap._extend_hook(original, self, *args, **kwargs)
     return original(self, *args, **kwargs)
+
+
+def _capture_hooks_applied() -> bool:
+    """True when SGLang applied all four capture hooks in this process (checked by the factory)."""
+    import pkgutil
+
+    for target in _CAPTURE_TARGETS:
+        obj_path, attr = target.rsplit(".", 1)
+        fn = pkgutil.resolve_name(obj_path).__dict__.get(attr)
+        fn = getattr(fn, "__func__", fn)
+        if fn is None or not hasattr(fn, "__wrapped__"):
+            return False
+    return True
 
 
 _SERVER_ARGS_TARGET = "sglang.srt.server_args.prepare_server_args"
@@ -639,9 +656,9 @@ def sparse_cache_factory(ctx: Any):
             )
             capture = "cut"
     if capture == "forward":
-        from .capture import CaptureMambaComponent, CaptureRadixCache, hooks_applied
+        from .capture import CaptureMambaComponent, CaptureRadixCache
 
-        if not hooks_applied():
+        if not _capture_hooks_applied():
             raise SparseBackendError(
                 "--radix-cache-backend sparse: SGLANG_SPARSE_CAPTURE=forward needs the plugin's capture "
                 "hooks, which SGLang did not apply in the scheduler (is the 'sparse' plugin loaded?)"
@@ -709,10 +726,10 @@ def sparse_cache_factory(ctx: Any):
                 "on" if policy.snapshot().get("host_cost") else "off",
             )
     if extra_buffer:
-        from . import capture_state
+        from . import capture
 
         # Decode tracks on the policy's grid; refine_decode_tracks keeps only the rows that want one.
-        capture_state.set_decode_grid(grid)
+        capture.set_decode_grid(grid)
         cache.decode_tracking = True
     overlap = not getattr(getattr(ctx, "server_args", None), "disable_overlap_schedule", True)
     logger.info(

@@ -7,10 +7,20 @@ and :class:`RadixTree`, the token tree), :mod:`.mirror` (SGLang's tree without t
 the policy's plan table, which listens to the structural events (:class:`TreeListener`).
 """
 
+from .core import (
+    CheckpointMap,
+    CheckpointTree,
+    Freed,
+    InsertResult,
+    KVOps,
+    MatchResult,
+    Node,
+    TreeListener,
+    sequence_leaf,
+)
 from .lcp import as_tokens
 from .mirror import MirrorError, MirrorTree, Span
-from .node import CheckpointMap, Node, sequence_leaf
-from .radix import CheckpointTree, Freed, InsertResult, KVOps, MatchResult, RadixTree, TreeListener
+from .radix import RadixTree
 from .snapshot import SnapshotError, TreeSnapshot, TreeSnapshotBuilder
 
 __all__ = [

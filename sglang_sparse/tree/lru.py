@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .node import Node
 
-Entry = tuple[int, int, "Node"]
+class Node(Protocol):
+    """What the heap reads and writes of a tree node (a :class:`~.core.Node`; a structural type, so
+    this module, below :mod:`.core`, does not import it)."""
+
+    uid: int
+    alive: bool
+    lock_ref: int
+    children: dict[int, Any]
+    last_access: int
+    heap_key: int
+
+
+Entry = tuple[int, int, Node]
 
 
 class LeafHeap:

@@ -4,7 +4,7 @@ The serving engine (SGLang's ``UnifiedTreeCore``) owns the real tree: token keys
 slots, locks. The policy (per-edge depth histograms and DP plans, kept in its plan table by node id;
 checkpoint recency, the eviction scorer's candidate index, the tail prior) needs the tree's *shape*
 only: which node hangs under which, each edge's depth span ``(start, end]``, which nodes hold a
-recurrent state. A :class:`MirrorTree` is a :class:`~sglang_sparse.tree.radix.CheckpointTree` (the
+recurrent state. A :class:`MirrorTree` is a :class:`~sglang_sparse.tree.core.CheckpointTree` (the
 structure every policy function runs on, unchanged; no token matching) whose nodes are created,
 split and removed by the engine's events, keyed by the engine's node ids, and that holds **no token
 sequence**: a node's ``key`` is a :class:`Span` (edge length + first token, for the ``children``
@@ -33,8 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .node import Node
-from .radix import CheckpointTree, MatchResult, _make_match
+from .core import CheckpointTree, MatchResult, Node, _make_match
 
 
 class Span:
@@ -72,12 +71,12 @@ class MirrorError(RuntimeError):
 
 
 class MirrorTree(CheckpointTree):
-    """A :class:`~sglang_sparse.tree.radix.CheckpointTree` whose structure follows an engine tree's
+    """A :class:`~sglang_sparse.tree.core.CheckpointTree` whose structure follows an engine tree's
     events (module docstring).
 
     ``root_id``: the engine's root node id. ``on_change``: called with every node an event changed
     (created, split, removed, state set/dropped, recency refreshed outside :meth:`observe`).
-    Other arguments as :class:`~sglang_sparse.tree.radix.CheckpointTree`. It holds no tokens, so it
+    Other arguments as :class:`~sglang_sparse.tree.core.CheckpointTree`. It holds no tokens, so it
     has no ``match`` / ``insert`` (those are :class:`~sglang_sparse.tree.radix.RadixTree`'s): build
     matches with :meth:`match_result` from the engine's match instead.
     """

@@ -16,7 +16,7 @@ Fields (units: tokens for depths and lengths, logical clock ticks for clocks, by
   (int64, unique), ``start`` (int64, depth before the edge: the parent's end, 0 for the root),
   ``last_access`` (int64 clock), ``lock_ref`` (int64 >= 0; the root's is >= 1 and a node's is >=
   the sum of its children's), ``version`` (int64), ``seq_end`` (bool),
-  ``chain`` (int64 online-session id, ``-1`` none; see :mod:`sglang_sparse.policy.chains`), ``kv``
+  ``chain`` (int64 online-session id, ``-1`` none; see :mod:`sglang_sparse.policy.choose`), ``kv``
   (list of opaque KV handles, the root's ``None``);
 * edge tokens: ``keys`` (int32, every edge's tokens concatenated in node order) and
   ``key_offsets`` (int64, length ``n + 1``, ``key_offsets[0] == 0``): node ``i``'s edge is
@@ -28,7 +28,7 @@ Fields (units: tokens for depths and lengths, logical clock ticks for clocks, by
   opaque state handles);
 
 The policy's per-edge histograms and plans are not part of it (they live in the policy's plan
-table, keyed by ``uid``, with a flat form of their own: ``sglang_sparse.policy.plan_table``).
+table, keyed by ``uid``, with a flat form of their own: ``sglang_sparse.policy.choose``).
 
 Derived indexes (leaf set, evictable sets, the LRU heap, node counts and byte totals, and the
 policy's candidate index) are never stored: :func:`tree_from_snapshot` rebuilds them.
@@ -49,7 +49,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from .node import EMPTY_KEY, Node
+from .core import EMPTY_KEY, Node
 
 _I64 = np.int64
 
@@ -173,7 +173,7 @@ class TreeSnapshotBuilder:
     ) -> int:
         """Append a child of node index ``parent`` with edge ``tokens``; return its index.
 
-        ``seq_end`` and ``chain``: see :class:`~sglang_sparse.tree.node.Node`."""
+        ``seq_end`` and ``chain``: see :class:`~sglang_sparse.tree.core.Node`."""
         if not 0 <= parent < len(self._parent):
             raise SnapshotError(f"parent index {parent} is not an earlier node (have {len(self._parent)})")
         key = np.asarray(tokens, dtype=np.int32).reshape(-1)

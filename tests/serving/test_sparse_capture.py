@@ -316,7 +316,7 @@ def test_sglang_allocation_reclaims_pending_capture_slots(monkeypatch: pytest.Mo
     that did not complete is left to its checkpoint; never more than the shortfall."""
     import types
 
-    from sglang_sparse.sglang_adapter import capture, capture_state
+    from sglang_sparse.sglang_adapter import capture
     from sglang_sparse.sglang_adapter.cache import SparseRadixCache
     from sglang_sparse.sglang_adapter.capture import CapturePlan
 
@@ -350,6 +350,6 @@ def test_sglang_allocation_reclaims_pending_capture_slots(monkeypatch: pytest.Mo
     # a plan left without captures runs as no plan
     batch = types.SimpleNamespace(sparse_capture=unstarted)
     capture._init_new_hook(None, None, batch)
-    assert capture_state.forward_plan() is None and not hasattr(batch, "sparse_capture")
+    assert capture.forward_plan() is None and not hasattr(batch, "sparse_capture")
     assert cache.reclaim_capture_slots(5) == 1 and alloc.freed[-1] == 3  # "c" stays
     assert list(cache._capture_pending) == ["c"]

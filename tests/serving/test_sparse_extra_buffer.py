@@ -155,7 +155,7 @@ def test_sparse_on_extra_buffer_reuses_and_leaks_nothing(runs: dict) -> None:
     s = sp["stats"]
     assert sum(sp["cached"]) >= sum(nat["cached"]) > 0, (sp["cached"], nat["cached"])
     # the session: turn 2 continues turn 1's sequence end, so its plan expects a continuation and
-    # it finishes exactly at the end of its key (the exact finish track, decode_track.py): turn 3
+    # it finishes exactly at the end of its key (the exact finish track, capture.refine_decode_tracks): turn 3
     # (296 + 16 tokens, key 311, page-aligned down) resumes there; native_eb stops at its last grid
     # point (256). Turn 1 (a first sight: its finish only on probation) keeps its grid point, as native_eb.
     page = runs["page"]
