@@ -10,6 +10,12 @@ Used by the serving tests and benchmarks::
 
 The server runs in its own process group on a free loopback port; :meth:`SGLangServer.stop` kills
 the whole group. Start-up failures raise :class:`ServerError` carrying the tail of the server log.
+
+Not SGLang's test helpers: ``sglang.test.test_utils.popen_launch_server`` runs ``sglang serve`` from
+``PATH``, polls ``/health_generate`` every 10 s, copies the server log to stdout and raises without
+it; ``sglang.srt.utils.kill_process_tree`` walks the tree from the launcher's pid, which finds
+nothing once the launcher has exited (the group kill still reaches its orphans). Both modules also
+import torch (~10 s, ~480 MB) into client processes that do not otherwise need it.
 """
 
 from __future__ import annotations
@@ -152,6 +158,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     out there to a server starting at the same time (``serving_load.py`` starts its servers
     concurrently) can be taken before that server binds it (seen in CI: ``EADDRINUSE`` on the
     HTTP port of one of two servers started together).
+
+    Not SGLang's ``get_free_port_below_ephemeral``: it falls back to an ephemeral port.
     """
     low = min(_ephemeral_low(), 32768, SGLANG_INTERNAL_PORTS_LOW)
     rng = random.Random()
