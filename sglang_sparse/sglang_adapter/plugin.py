@@ -726,10 +726,10 @@ def sparse_cache_factory(ctx: Any):
                 "on" if policy.snapshot().get("host_cost") else "off",
             )
     if extra_buffer:
-        from . import capture
+        from .capture import set_decode_grid
 
         # Decode tracks on the policy's grid; refine_decode_tracks keeps only the rows that want one.
-        capture.set_decode_grid(grid)
+        set_decode_grid(grid)
         cache.decode_tracking = True
     overlap = not getattr(getattr(ctx, "server_args", None), "disable_overlap_schedule", True)
     logger.info(
