@@ -43,24 +43,29 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+def request_sequence(vocab: int) -> tuple[list[list[int]], list[int]]:
+    """Both modes' prompts (token ids in ``[4, vocab)``, seeded): a document with a question,
+    10 distinct prompts (the small pools evict), the document with another question; then the
+    traced query, the document with a third question."""
+    rng = np.random.default_rng(7)
+
+    def rand(n: int) -> list[int]:
+        return rng.integers(4, vocab, size=n, dtype=np.int64).tolist()
+
+    doc = rand(400)
+    warm = [doc + rand(60), *(rand(300) for _ in range(10)), doc + rand(60)]
+    return warm, doc + rand(60)
+
+
 def trace_one_request() -> dict[str, Any]:
     """Files and cross-file edges of ``sglang_sparse`` touched by one warm request."""
-    import os
-
     os.environ.update({"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_CAPTURE": "cut"})
     from benchmarks.scheduler_cache import make_model_dir, output_ids, small_harness
 
-    rng = np.random.default_rng(7)
-
-    def rand(n: int) -> array:
-        return array("q", rng.integers(4, 2**30, size=n, dtype=np.int64).tobytes())
-
     h = small_harness("sparse", make_model_dir(context_len=4096))
-    doc = rand(400)
-    h.run("warm-0", doc + rand(60), output_ids(0, 4))
-    for i in range(10):  # distinct prompts: the pools evict
-        h.run(f"warm-{i + 1}", rand(300), output_ids(i + 1, 4))
-    h.run("warm-doc", doc + rand(60), output_ids(20, 4))
+    warm, query_ids = request_sequence(2**30)
+    for i, prompt in enumerate(warm):
+        h.run(f"warm-{i}", array("q", prompt), output_ids(20 if i == len(warm) - 1 else i, 4))
 
     files: dict[str, int] = {}
     edges: set[tuple[str, str]] = set()
@@ -83,7 +88,7 @@ def trace_one_request() -> dict[str, Any]:
         if caller is not None and caller != callee:
             edges.add((caller, callee))
 
-    query = doc + rand(60)
+    query = array("q", query_ids)
     sys.setprofile(prof)
     try:
         cached = h.run("traced", query, output_ids(30, 4))
@@ -102,11 +107,6 @@ def trace_server_request() -> dict[str, Any]:
     """:func:`trace_one_request` on a real server (``--server``); adds the tracer's own readings."""
     from sglang_sparse.models.tiny import make_tiny_model
     from sglang_sparse.testing.server import SGLangServer, strategy_setup
-
-    rng = np.random.default_rng(7)
-
-    def rand(n: int) -> list[int]:
-        return rng.integers(4, 4096, size=n).tolist()  # the tiny model's vocabulary
 
     model = make_tiny_model(Path(tempfile.gettempdir()) / "request_path_tiny", arch="qwen3_next", seed=0)
     base, env = strategy_setup("extra_buffer")
@@ -132,14 +132,11 @@ def trace_server_request() -> dict[str, Any]:
         )
         srv.start(timeout=600)
         try:
-            doc = rand(400)
-            srv.generate(doc + rand(60), 4)
-            for _ in range(10):  # distinct prompts: the pools evict
-                srv.generate(rand(300), 4)
-            srv.generate(doc + rand(60), 4)
-            query = doc + rand(60)
+            warm, query = request_sequence(4096)  # the tiny model's vocabulary
+            for prompt in warm:
+                srv.generate(prompt, 4)
             traced = srv.generate(query, 4, rid=rid)
-            srv.generate(rand(8), 1)  # its arrival ends the traced window
+            srv.generate(warm[1][:8], 1)  # its arrival ends the traced window
             stats = srv.sparse_stats()
         finally:
             srv.stop()

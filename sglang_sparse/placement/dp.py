@@ -92,6 +92,18 @@ def grid_candidates(
     return cands
 
 
+def weighted_depths(
+    depths: Sequence[float] | np.ndarray, weights: Sequence[float] | np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``depths`` (tokens) and their ``weights`` as float64 vectors of one length (weight 1 each
+    when ``weights`` is None); raises ValueError when the lengths differ."""
+    d = np.asarray(depths, dtype=np.float64).reshape(-1)
+    w = np.ones_like(d) if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
+    if w.shape != d.shape:
+        raise ValueError(f"depths and weights differ in length: {d.size} vs {w.size}")
+    return d, w
+
+
 @dataclass(frozen=True)
 class DepthLaw:
     """A depth distribution aggregated onto ``positions = [origin, *candidates]``.
@@ -130,10 +142,7 @@ class DepthLaw:
         origin: int = 0,
     ) -> DepthLaw:
         """Bin observed depths (tokens) with non-negative weights onto ``candidates`` (> origin)."""
-        d = np.asarray(depths, dtype=np.float64).reshape(-1)
-        w = np.ones_like(d) if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
-        if w.shape != d.shape:
-            raise ValueError(f"depths and weights differ in length: {d.size} vs {w.size}")
+        d, w = weighted_depths(depths, weights)
         if np.any(w < 0) or not np.all(np.isfinite(w)):
             raise ValueError("weights must be finite and >= 0")
         if np.any(~np.isfinite(d)):

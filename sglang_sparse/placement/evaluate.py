@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dp import weighted_depths
+
 
 @dataclass(frozen=True)
 class RecomputeStats:
@@ -44,10 +46,7 @@ def evaluate_placement(
     origin: int = 0,
 ) -> RecomputeStats:
     """Exact recompute statistics of checkpoint ``positions`` for ``depths`` (tokens >= origin)."""
-    d = np.asarray(depths, dtype=np.float64).reshape(-1)
-    w = np.ones_like(d) if weights is None else np.asarray(weights, dtype=np.float64).reshape(-1)
-    if w.shape != d.shape:
-        raise ValueError(f"depths and weights differ in length: {d.size} vs {w.size}")
+    d, w = weighted_depths(depths, weights)
     if np.any(d < origin):
         raise ValueError(f"depths must be >= origin ({origin})")
     mask = w > 0

@@ -635,8 +635,6 @@ def refine_decode_tracks(batch: Any) -> int:
             if before_final:
                 nxt[i] = True
     if changed:
-        import torch
-
         batch.mamba_track_mask = torch.tensor(mask, dtype=torch.bool).to(batch.device, non_blocking=True)
     return changed
 

@@ -93,10 +93,13 @@ def _chat_request_hook(result, self, request, *args, **kwargs):
     return result
 
 
+_CAPTURE_MODULE = f"{__package__}.capture"
+
+
 def _capture_module() -> Any:
     """The capture module if this process built a sparse backend (its factory imports it), else
     ``None``: the wrappers below then call SGLang's function unchanged and import nothing."""
-    return sys.modules.get(f"{__package__}.capture")
+    return sys.modules.get(_CAPTURE_MODULE)
 
 
 def _track_grid_hook(original, *args, **kwargs):
@@ -109,10 +112,8 @@ def _track_grid_hook(original, *args, **kwargs):
 
 
 def _prepare_for_decode_hook(result, self, *args, **kwargs):
-    if getattr(getattr(self, "tree_cache", None), "decode_tracking", False):
-        from .capture import refine_decode_tracks
-
-        refine_decode_tracks(self)
+    if getattr(getattr(self, "tree_cache", None), "decode_tracking", False):  # set by the factory
+        _capture_module().refine_decode_tracks(self)
     return result
 
 
