@@ -1,16 +1,22 @@
-"""Tests for sglang_sparse.policy.cost_model: hand computations, monotonicity, additivity, bad configs."""
+"""Tests for sglang_sparse.policy.cost_model (hand computations, monotonicity, additivity), the
+simulator's model table (sglang_sparse.sim.models) and the adapter's reading of SGLang's config
+objects (sglang_sparse.sglang_adapter.model_cost)."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sglang.srt.configs.nemotron_h import NemotronHConfig
+from sglang.srt.configs.qwen3_5 import Qwen3_5Config
+from sglang.srt.configs.qwen3_next import Qwen3NextConfig
 
 from sglang_sparse.policy import ModelCostModel
-from sglang_sparse.policy.cost_model import SUPPORTED_MODEL_TYPES
+from sglang_sparse.sglang_adapter.model_cost import ARCHITECTURES, model_cost
+from sglang_sparse.sim.models import MODELS, cost_model
 
 # --------------------------------------------------------------------------------------------------
 # Public-config-shaped dicts (trimmed to the keys the cost model reads plus a few neighbours).
@@ -100,22 +106,29 @@ NEMOTRON_H_8B = {
 }
 
 
+def served(cfg: dict) -> ModelCostModel:
+    """The cost model the adapter builds for ``cfg`` as SGLang parses it (its config class)."""
+    cls = {"qwen3_next": Qwen3NextConfig, "qwen3_5": Qwen3_5Config, "nemotron_h": NemotronHConfig}
+    return model_cost(cls[cfg["model_type"]](**cfg))
+
+
 @pytest.fixture(scope="module")
 def qnext() -> ModelCostModel:
-    return ModelCostModel.from_hf_config(QWEN3_NEXT_80B_A3B)
+    return cost_model("qwen3-next-80b-a3b")
 
 
 @pytest.fixture(scope="module")
 def q35() -> ModelCostModel:
-    return ModelCostModel.from_hf_config(QWEN3_5_0_8B)
+    return served(QWEN3_5_0_8B)
 
 
 @pytest.fixture(scope="module")
 def nemh() -> ModelCostModel:
-    return ModelCostModel.from_hf_config(NEMOTRON_H_8B)
+    return cost_model("nemotron-h-8b")
 
 
 ALL = ("qnext", "q35", "nemh")
+Q35 = served(QWEN3_5_0_8B)
 
 
 def ctx_sum(n: int, past: int) -> int:
@@ -212,11 +225,14 @@ def test_qwen3_5_flops_by_hand(q35: ModelCostModel, n: int, past: int) -> None:
     assert q35.prefill_flops(n, past) == float(sum(hand.values()))
 
 
-def test_qwen3_5_flat_text_config_and_interval_match_nested(q35: ModelCostModel) -> None:
-    flat = dict(QWEN3_5_0_8B["text_config"])
-    assert ModelCostModel.from_hf_config(flat) == q35
-    no_types = {k: v for k, v in flat.items() if k != "layer_types"}  # falls back to the interval
-    assert ModelCostModel.from_hf_config(no_types) == q35
+def test_qwen3_5_is_dense_although_sglangs_config_defaults_to_512_experts(q35: ModelCostModel) -> None:
+    # SGLang's Qwen3_5TextConfig inherits Qwen3NextConfig's num_experts=512; the model class is dense
+    assert Qwen3_5Config(**QWEN3_5_0_8B).get_text_config().num_experts == 512
+    assert [m.is_moe for m in q35.mlps] == [False]
+    moe = model_cost(
+        Qwen3_5Config(**dict(QWEN3_5_0_8B, architectures=["Qwen3_5MoeForConditionalGeneration"]))
+    )
+    assert [m.num_experts for m in moe.mlps] == [512]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,7 +286,8 @@ def test_nemotron_h_moe_layers() -> None:
         moe_intermediate_size=1856,
         moe_shared_expert_intermediate_size=3712,
     )
-    m = ModelCostModel.from_hf_config(cfg)
+    m = served(cfg)
+    assert m.layer_kinds == ("recurrent", "mlp", "attention", "mlp")
     h = 4096
     moe_params = h * 128 + 6 * 2 * h * 1856 + 2 * h * 3712
     assert m.prefill_flops_by_kind(10)["mlp"] == 2 * 2 * moe_params * 10
@@ -281,14 +298,10 @@ def test_nemotron_h_moe_layers() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_dtype_overrides() -> None:
-    m = ModelCostModel.from_hf_config(QWEN3_NEXT_80B_A3B, state_dtype_bytes=2, kv_dtype_bytes=1)
+def test_dtype_fields() -> None:
+    m = dataclasses.replace(cost_model("qwen3-next-80b-a3b"), ssm_dtype_bytes=2, kv_dtype_bytes=1)
     assert m.kv_bytes_per_token == 2 * 2 * 256 * 1 * 12
     assert m.state_bytes == 36 * (32 * 128 * 128 * 2 + 8192 * 3 * 2)
-    cfg = dict(QWEN3_NEXT_80B_A3B, mamba_ssm_dtype="bfloat16")
-    assert ModelCostModel.from_hf_config(cfg).ssm_state_bytes == 36 * 32 * 128 * 128 * 2
-    with pytest.raises(ValueError, match="kv_dtype_bytes"):
-        ModelCostModel.from_hf_config(QWEN3_NEXT_80B_A3B, kv_dtype_bytes=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -320,8 +333,7 @@ def test_monotone_in_n_and_past(name: str, request: pytest.FixtureRequest) -> No
     past=st.integers(0, 200_000),
 )
 def test_additivity(name: str, a: int, b: int, past: int) -> None:
-    cfg = {"qnext": QWEN3_NEXT_80B_A3B, "q35": QWEN3_5_0_8B, "nemh": NEMOTRON_H_8B}[name]
-    m = ModelCostModel.from_hf_config(cfg)
+    m = {"qnext": MODELS["qwen3-next-80b-a3b"], "q35": Q35, "nemh": MODELS["nemotron-h-8b"]}[name]
     lhs = m.prefill_flops(a, past) + m.prefill_flops(b, past_tokens=past + a)
     assert math.isclose(lhs, m.prefill_flops(a + b, past), rel_tol=1e-14)
     # the exact (integer) breakdown is additive with no rounding at moderate sizes
@@ -388,95 +400,33 @@ def test_frozen(qnext: ModelCostModel) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Bad configs -> ValueError naming the key / model_type
+# The simulator's table and the adapter's reading of SGLang's config objects
 # --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "key",
-    [
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "linear_num_key_heads",
-        "linear_num_value_heads",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-        "linear_conv_kernel_dim",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-    ],
+    "name,cfg", [("qwen3-next-80b-a3b", QWEN3_NEXT_80B_A3B), ("nemotron-h-8b", NEMOTRON_H_8B)]
 )
-def test_qwen_missing_key_named(key: str) -> None:
-    cfg = dict(QWEN3_NEXT_80B_A3B)
-    del cfg[key]
-    with pytest.raises(ValueError, match=f"'{key}'"):
-        ModelCostModel.from_hf_config(cfg)
+def test_table_equals_sglangs_reading_of_the_public_config(name: str, cfg: dict) -> None:
+    assert served(cfg) == MODELS[name]
 
 
-@pytest.mark.parametrize(
-    "key",
-    [
-        "hidden_size",
-        "hybrid_override_pattern",
-        "mamba_num_heads",
-        "mamba_head_dim",
-        "ssm_state_size",
-        "n_groups",
-        "conv_kernel",
-        "intermediate_size",
-        "num_key_value_heads",
-    ],
-)
-def test_nemotron_missing_key_named(key: str) -> None:
-    cfg = dict(NEMOTRON_H_8B)
-    del cfg[key]
-    with pytest.raises(ValueError, match=f"'{key}'"):
-        ModelCostModel.from_hf_config(cfg)
+def test_qwen3_next_layout_and_moe_placement_follow_sglangs_config() -> None:
+    # SGLang lays the layers out from full_attention_interval
+    m = served(dict(QWEN3_NEXT_80B_A3B, full_attention_interval=2, num_hidden_layers=8))
+    assert m.layer_kinds == ("recurrent", "attention") * 4
+    # HF Qwen3-Next: MoE unless in mlp_only_layers or off the decoder_sparse_step
+    m = served(dict(QWEN3_NEXT_80B_A3B, num_hidden_layers=8, mlp_only_layers=[1], decoder_sparse_step=2))
+    assert [(s.num_layers, s.is_moe) for s in m.mlps] == [(5, False), (3, True)]
+    assert [(s.num_layers, s.is_moe) for s in served(dict(QWEN3_NEXT_80B_A3B, num_experts=0)).mlps] == [
+        (48, False)
+    ]
 
 
-def test_nested_missing_key_named() -> None:
-    cfg = copy.deepcopy(QWEN3_5_0_8B)
-    del cfg["text_config"]["intermediate_size"]
-    with pytest.raises(ValueError, match="'intermediate_size'"):
-        ModelCostModel.from_hf_config(cfg)
-
-
-def test_bad_values_named() -> None:
-    with pytest.raises(ValueError, match="'hidden_size'"):
-        ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, hidden_size=0))
-    with pytest.raises(ValueError, match="'head_dim'"):
-        ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, head_dim="256"))
-    cfg = {k: v for k, v in QWEN3_NEXT_80B_A3B.items() if k != "full_attention_interval"}
-    with pytest.raises(ValueError, match="full_attention_interval"):
-        ModelCostModel.from_hf_config(cfg)
-    with pytest.raises(ValueError, match="'layer_types'"):
-        ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, layer_types=["full_attention"] * 3))
-    with pytest.raises(ValueError, match="'layer_types'"):
-        ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, layer_types=["sliding"] * 48))
-    with pytest.raises(ValueError, match="'hybrid_override_pattern'"):
-        ModelCostModel.from_hf_config(dict(NEMOTRON_H_8B, hybrid_override_pattern="M*X"))
-    with pytest.raises(ValueError, match="'hybrid_override_pattern'"):
-        ModelCostModel.from_hf_config(dict(NEMOTRON_H_8B, num_hidden_layers=51))
-    with pytest.raises(ValueError, match="'torch_dtype'"):
-        ModelCostModel.from_hf_config(dict(NEMOTRON_H_8B, torch_dtype="int3"))
-
-
-def test_unsupported_model_type_named() -> None:
-    with pytest.raises(ValueError, match="unsupported model_type 'llama'") as exc:
-        ModelCostModel.from_hf_config({"model_type": "llama", "hidden_size": 4096})
-    for t in SUPPORTED_MODEL_TYPES:
-        assert t in str(exc.value)
-    with pytest.raises(ValueError, match="'model_type'"):
-        ModelCostModel.from_hf_config({"hidden_size": 4096})
-
-
-def test_generic_fallback_by_keys() -> None:
-    # unknown model_type with the GDN keys -> Qwen-style hybrid parser; with a pattern -> Nemotron-H
-    m = ModelCostModel.from_hf_config(dict(QWEN3_NEXT_80B_A3B, model_type="my_gdn_hybrid"))
-    assert m.model_type == "my_gdn_hybrid"
-    ref = ModelCostModel.from_hf_config(QWEN3_NEXT_80B_A3B)
-    assert m.prefill_flops(100, 50) == ref.prefill_flops(100, 50)
-    n = ModelCostModel.from_hf_config(dict(NEMOTRON_H_8B, model_type="my_mamba_hybrid"))
-    assert n.state_bytes == 102_137_856
+def test_unsupported_architecture_named() -> None:
+    cfg = Qwen3NextConfig(**dict(QWEN3_NEXT_80B_A3B, architectures=["LlamaForCausalLM"]))
+    with pytest.raises(ValueError, match="'LlamaForCausalLM'") as exc:
+        model_cost(cfg)
+    assert all(a in str(exc.value) for a in ARCHITECTURES)
+    with pytest.raises(ValueError, match="unknown model 'llama'"):
+        cost_model("llama")

@@ -32,6 +32,7 @@ from sglang_sparse.policy import POLICIES, HybridCache, PolicySpec
 from sglang_sparse.policy.evict import (
     CKPT,
     LEAF,
+    CandidateTerms,
     EvictionConfig,
     Evictor,
     ScoredCandidate,
@@ -66,10 +67,19 @@ _CHAINED = {
 CONFIGS = sorted(_REGISTRY | _EXTRA | _DECAYED | _CHAINED, key=repr)
 
 
-def make_cache(cfg: EvictionConfig, budget: int, admission: str = "sparse") -> HybridCache:
+def make_cache(
+    cfg: EvictionConfig, budget: int, admission: str = "sparse", evictor: type[CandidateTerms] = Evictor
+) -> HybridCache:
     spec = PolicySpec("test", admission, cfg, flop_aware=True)
     return HybridCache(
-        spec, budget_bytes=budget, cost=COST, kv_bytes_per_token=KV_B, state_bytes=STATE_B, refresh=2, grid=4
+        spec,
+        budget_bytes=budget,
+        cost=COST,
+        kv_bytes_per_token=KV_B,
+        state_bytes=STATE_B,
+        refresh=2,
+        grid=4,
+        evictor=evictor,
     )
 
 
@@ -78,19 +88,9 @@ def pair(
 ) -> tuple[HybridCache, HybridCache]:
     """Two identical empty caches: ``new`` evicts with :class:`Evictor`, ``ref`` with the reference."""
     new = make_cache(cfg, budget, admission)
-    new.alpha = alpha
-    ref = copy.deepcopy(new)
-    ref.evictor = ReferenceEvictor(
-        ref.tree,
-        cfg,
-        COST,
-        alpha,
-        capacity_bytes=budget,
-        probation=ref.probation,
-        chains=ref.chains,
-        plans=ref.plans,
-    )
-    assert type(new.evictor) is Evictor
+    ref = make_cache(cfg, budget, admission, evictor=ReferenceEvictor)
+    new.alpha = ref.alpha = alpha
+    assert type(new.evictor) is Evictor and type(ref.evictor) is ReferenceEvictor
     return new, ref
 
 

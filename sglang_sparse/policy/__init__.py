@@ -6,7 +6,6 @@ from sglang_sparse.policy.cost_model import (
     Mamba2Spec,
     MLPSpec,
     ModelCostModel,
-    dtype_bytes,
 )
 
 from .cache import CacheSnapshot, HybridCache
@@ -46,7 +45,6 @@ __all__ = [
     "PolicySpec",
     "PublishedSpec",
     "capture_positions",
-    "dtype_bytes",
     "get_policy",
     "get_published",
     "marconi_branch_point",

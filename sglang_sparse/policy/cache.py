@@ -51,7 +51,7 @@ from .choose import (
     marconi_branch_point,
 )
 from .cost_model import ModelCostModel
-from .evict import PROBATION, SPARE, Evictor
+from .evict import PROBATION, SPARE, CandidateTerms, Evictor
 from .registry import PolicySpec, get_policy
 
 
@@ -132,6 +132,7 @@ class HybridCache:
         tail_grid: int | None = None,
         tree: CheckpointTree | None = None,
         plans: PlanTable | None = None,
+        evictor: type[CandidateTerms] = Evictor,
     ) -> None:
         self.spec = get_policy(policy)
         if tree is not None:  # its sizes are the sizes
@@ -205,7 +206,9 @@ class HybridCache:
         #: online sessions (chains of leaves continued from their end; see :mod:`.choose`), tracked
         #: for every policy, used by eviction when ``spec.eviction.chain_recency``
         self.chains = ChainTracker(grid=grid)
-        self.evictor = Evictor(
+        #: the eviction rounds (``evictor``: :class:`Evictor`, or a reference implementation of the
+        #: same candidates and terms in tests), on this cache's tree, probation map and sessions
+        self.evictor = evictor(
             self.tree,
             self.spec.eviction,
             self.cost,

@@ -1,10 +1,9 @@
 """FLOP and byte cost model for hybrid attention + recurrent (GatedDeltaNet / Mamba2) LLMs.
 
-Built from an HF-style ``config.json`` dict by :meth:`ModelCostModel.from_hf_config`. Supported
-``model_type`` values: ``qwen3_next``, ``qwen3_5`` / ``qwen3_5_text`` (text config may be nested under
-``text_config``), ``qwen3_5_moe`` / ``qwen3_5_moe_text`` and ``nemotron_h``. An unknown ``model_type``
-falls back to the Qwen-style parser when the config has ``linear_num_value_heads`` and to the
-Nemotron-H parser when it has ``hybrid_override_pattern``; otherwise a :class:`ValueError` names it.
+The formulas only: a :class:`ModelCostModel` is built from its block specs. Its inputs come from
+SGLang's own config object of the served model in the adapter
+(:mod:`sglang_sparse.sglang_adapter.model_cost`) and from a small table of named models for the
+simulator (:data:`sglang_sparse.sim.models.MODELS`).
 
 Units: token counts are plain ints, memory is in **bytes**, compute is in **FLOPs** (one multiply
 and one add count as 2 FLOPs). All FLOP counts are forward-only (inference prefill).
@@ -53,8 +52,9 @@ Memory
 * ``state_bytes`` (one recurrent checkpoint, all recurrent layers) = ``n_recurrent_layers *
   (ssm_elems * ssm_dtype_bytes + conv_elems * conv_dtype_bytes)`` with GDN ``ssm_elems = Hv*K*V``,
   Mamba2 ``ssm_elems = Hm*P*N`` and ``conv_elems = C*(W-1)`` (SGLang stores W-1 conv taps). Defaults
-  follow SGLang: SSM state float32 unless the config sets ``mamba_ssm_dtype``; conv state bfloat16;
-  KV in the model dtype.
+  follow SGLang's defaults: SSM state float32, conv state and KV bfloat16. A served model's bytes
+  are not these but SGLang's pools' (the adapter reads them), which follow its dtype overrides
+  (``SGLANG_MAMBA_SSM_DTYPE`` ...) and tensor-parallel sharding.
 
 Resume semantics and Marconi
 ----------------------------
@@ -73,8 +73,7 @@ is charged only the KV of its *own* tokens plus its checkpoint (:meth:`ModelCost
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -83,44 +82,12 @@ __all__ = [
     "Mamba2Spec",
     "MLPSpec",
     "ModelCostModel",
-    "dtype_bytes",
 ]
 
 #: FLOPs per token per head per (K*V) element of the GatedDeltaNet recurrence (see module docstring).
 GDN_CORE_FLOPS_PER_STATE_ELEM = 7
 #: FLOPs per token per head per (P*N) element of the Mamba2 recurrence (see module docstring).
 MAMBA2_CORE_FLOPS_PER_STATE_ELEM = 5
-
-_DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "fp32": 4,
-    "float": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
-
-_QWEN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-_NEMOTRON_TYPES = ("nemotron_h",)
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = _QWEN_TYPES + _NEMOTRON_TYPES
-
-
-def dtype_bytes(name: str, *, key: str = "dtype") -> int:
-    """Bytes per element of a dtype name such as ``"bfloat16"`` or ``"torch.float32"``.
-
-    Raises ValueError naming ``key`` (the config key it came from) for an unknown name.
-    """
-    norm = str(name).lower().removeprefix("torch.")
-    if norm not in _DTYPE_BYTES:
-        raise ValueError(f"config key '{key}': unknown dtype {name!r}; known: {sorted(_DTYPE_BYTES)}")
-    return _DTYPE_BYTES[norm]
 
 
 def _count(x: Any, what: str) -> int:
@@ -305,78 +272,6 @@ RecurrentSpec = GatedDeltaNetSpec | Mamba2Spec
 
 
 # --------------------------------------------------------------------------------------------------
-# Config parsing helpers
-# --------------------------------------------------------------------------------------------------
-
-
-def _req_int(cfg: Mapping[str, Any], key: str, where: str, *, minimum: int = 1) -> int:
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(f"{where} config is missing required key '{key}'")
-    val = cfg[key]
-    if isinstance(val, bool) or not isinstance(val, int):
-        raise ValueError(f"{where} config key '{key}' must be an integer, got {val!r}")
-    if val < minimum:
-        raise ValueError(f"{where} config key '{key}' must be >= {minimum}, got {val}")
-    return val
-
-
-def _opt_int(cfg: Mapping[str, Any], key: str, where: str, default: int, *, minimum: int = 0) -> int:
-    if cfg.get(key) is None:
-        return default
-    return _req_int(cfg, key, where, minimum=minimum)
-
-
-def _attn_head_dim(cfg: Mapping[str, Any], where: str, hidden: int, heads: int) -> int:
-    for key in ("head_dim", "attention_head_dim"):
-        if cfg.get(key) is not None:
-            return _req_int(cfg, key, where)
-    if hidden % heads:
-        raise ValueError(f"{where} config has no 'head_dim' and hidden_size % num_attention_heads != 0")
-    return hidden // heads
-
-
-def _qwen_layer_types(cfg: Mapping[str, Any], n_layers: int, where: str) -> list[str]:
-    """Per-layer mixer kinds ("attention" | "recurrent") from layer_types or full_attention_interval."""
-    if cfg.get("layer_types") is not None:
-        raw = cfg["layer_types"]
-        if not isinstance(raw, list | tuple) or len(raw) != n_layers:
-            raise ValueError(
-                f"{where} config key 'layer_types' must be a list of num_hidden_layers={n_layers} entries"
-            )
-        out = []
-        for i, t in enumerate(raw):
-            if t == "full_attention":
-                out.append("attention")
-            elif t == "linear_attention":
-                out.append("recurrent")
-            else:
-                raise ValueError(
-                    f"{where} config key 'layer_types'[{i}] = {t!r}; expected 'full_attention' "
-                    "or 'linear_attention'"
-                )
-        return out
-    if cfg.get("full_attention_interval") is None:
-        raise ValueError(f"{where} config needs 'layer_types' or 'full_attention_interval'")
-    interval = _req_int(cfg, "full_attention_interval", where)
-    return ["attention" if (i + 1) % interval == 0 else "recurrent" for i in range(n_layers)]
-
-
-def _model_dtype_bytes(cfg: Mapping[str, Any], outer: Mapping[str, Any]) -> int:
-    for src in (cfg, outer):
-        for key in ("torch_dtype", "dtype"):
-            if src.get(key) is not None:
-                return dtype_bytes(src[key], key=key)
-    return 2  # bfloat16, the dtype of every public hybrid checkpoint this targets
-
-
-def _ssm_dtype_bytes(cfg: Mapping[str, Any], outer: Mapping[str, Any]) -> int:
-    for src in (cfg, outer):
-        if src.get("mamba_ssm_dtype") is not None:
-            return dtype_bytes(src["mamba_ssm_dtype"], key="mamba_ssm_dtype")
-    return 4  # SGLang default SGLANG_MAMBA_SSM_DTYPE=float32
-
-
-# --------------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------------
 
@@ -398,194 +293,6 @@ class ModelCostModel:
     kv_dtype_bytes: int = 2
     ssm_dtype_bytes: int = 4
     conv_dtype_bytes: int = 2
-
-    # ---------------------------------------------------------------- construction
-
-    @classmethod
-    def from_hf_config(
-        cls,
-        cfg: Mapping[str, Any],
-        *,
-        state_dtype_bytes: int | None = None,
-        kv_dtype_bytes: int | None = None,
-        conv_dtype_bytes: int | None = None,
-    ) -> ModelCostModel:
-        """Build from an HF ``config.json`` dict.
-
-        ``state_dtype_bytes`` overrides the bytes per SSM (temporal) state element (default: config
-        ``mamba_ssm_dtype`` or 4 = float32, SGLang's default); ``conv_dtype_bytes`` the conv state
-        (default 2 = bfloat16, SGLang's default); ``kv_dtype_bytes`` the KV cache (default: model dtype).
-        Raises ValueError naming an unsupported ``model_type`` or a missing/invalid key.
-        """
-        if not isinstance(cfg, Mapping):
-            raise TypeError(f"config must be a mapping, got {type(cfg).__name__}")
-        outer = cfg
-        text = cfg.get("text_config")
-        if isinstance(text, Mapping):
-            cfg = text
-        model_type = cfg.get("model_type") or outer.get("model_type")
-        if model_type is None:
-            raise ValueError("config is missing required key 'model_type'")
-        if model_type in _QWEN_TYPES or (
-            model_type not in _NEMOTRON_TYPES and "linear_num_value_heads" in cfg
-        ):
-            model = cls._from_qwen_hybrid(cfg, str(model_type))
-        elif model_type in _NEMOTRON_TYPES or "hybrid_override_pattern" in cfg:
-            model = cls._from_nemotron_h(cfg, str(model_type))
-        else:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(or any config with 'linear_num_value_heads' or 'hybrid_override_pattern')"
-            )
-        model_bytes = _model_dtype_bytes(cfg, outer)
-        ssm_bytes = _ssm_dtype_bytes(cfg, outer) if state_dtype_bytes is None else state_dtype_bytes
-        for name, val in (
-            ("state_dtype_bytes", state_dtype_bytes),
-            ("kv_dtype_bytes", kv_dtype_bytes),
-            ("conv_dtype_bytes", conv_dtype_bytes),
-        ):
-            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {val!r}")
-        return replace(
-            model,
-            kv_dtype_bytes=model_bytes if kv_dtype_bytes is None else kv_dtype_bytes,
-            ssm_dtype_bytes=ssm_bytes,
-            conv_dtype_bytes=2 if conv_dtype_bytes is None else conv_dtype_bytes,
-        )
-
-    @classmethod
-    def _from_qwen_hybrid(cls, cfg: Mapping[str, Any], model_type: str) -> ModelCostModel:
-        where = model_type
-        h = _req_int(cfg, "hidden_size", where)
-        n_layers = _req_int(cfg, "num_hidden_layers", where)
-        kinds = _qwen_layer_types(cfg, n_layers, where)
-        n_attn = kinds.count("attention")
-        n_rec = kinds.count("recurrent")
-        attention = None
-        if n_attn:
-            heads = _req_int(cfg, "num_attention_heads", where)
-            attention = AttentionSpec(
-                num_layers=n_attn,
-                num_heads=heads,
-                num_kv_heads=_req_int(cfg, "num_key_value_heads", where),
-                head_dim=_attn_head_dim(cfg, where, h, heads),
-                output_gate=bool(cfg.get("attn_output_gate", True)),  # always on in Qwen3-Next
-            )
-        recurrent = None
-        if n_rec:
-            recurrent = GatedDeltaNetSpec(
-                num_layers=n_rec,
-                num_key_heads=_req_int(cfg, "linear_num_key_heads", where),
-                num_value_heads=_req_int(cfg, "linear_num_value_heads", where),
-                key_head_dim=_req_int(cfg, "linear_key_head_dim", where),
-                value_head_dim=_req_int(cfg, "linear_value_head_dim", where),
-                conv_kernel=_req_int(cfg, "linear_conv_kernel_dim", where),
-            )
-        # MLP placement follows HF Qwen3-Next: MoE iff layer not in mlp_only_layers, num_experts > 0 and
-        # (layer + 1) % decoder_sparse_step == 0; otherwise a dense SwiGLU MLP of intermediate_size.
-        num_experts = _opt_int(cfg, "num_experts", where, 0)
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
-        step = _opt_int(cfg, "decoder_sparse_step", where, 1, minimum=1)
-        n_moe = sum(
-            1 for i in range(n_layers) if num_experts > 0 and i not in mlp_only and (i + 1) % step == 0
-        )
-        n_dense = n_layers - n_moe
-        mlps: list[MLPSpec] = []
-        if n_dense:
-            dense_f = _req_int(cfg, "intermediate_size", where)
-            mlps.append(MLPSpec(num_layers=n_dense, gated=True, intermediate_size=dense_f))
-        if n_moe:
-            mlps.append(
-                MLPSpec(
-                    num_layers=n_moe,
-                    gated=True,
-                    num_experts=num_experts,
-                    experts_per_token=_req_int(cfg, "num_experts_per_tok", where),
-                    expert_intermediate_size=_req_int(cfg, "moe_intermediate_size", where),
-                    shared_expert_intermediate_size=_opt_int(
-                        cfg, "shared_expert_intermediate_size", where, 0
-                    ),
-                    shared_expert_gate=True,
-                )
-            )
-        return cls(
-            model_type=model_type,
-            hidden_size=h,
-            layer_kinds=tuple(kinds),
-            attention=attention,
-            recurrent=recurrent,
-            mlps=tuple(mlps),
-        )
-
-    @classmethod
-    def _from_nemotron_h(cls, cfg: Mapping[str, Any], model_type: str) -> ModelCostModel:
-        where = model_type
-        h = _req_int(cfg, "hidden_size", where)
-        pattern = cfg.get("hybrid_override_pattern")
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"{where} config is missing required key 'hybrid_override_pattern'")
-        bad = sorted(set(pattern) - set("M*-E"))
-        if bad:
-            raise ValueError(f"{where} config key 'hybrid_override_pattern' has unknown symbols {bad}")
-        n_layers = _opt_int(cfg, "num_hidden_layers", where, len(pattern), minimum=1)
-        if n_layers != len(pattern):
-            raise ValueError(
-                f"{where} config key 'hybrid_override_pattern' has {len(pattern)} symbols but "
-                f"num_hidden_layers={n_layers}"
-            )
-        kind_of = {"M": "recurrent", "*": "attention", "-": "mlp", "E": "mlp"}
-        attention = None
-        if "*" in pattern:
-            heads = _req_int(cfg, "num_attention_heads", where)
-            attention = AttentionSpec(
-                num_layers=pattern.count("*"),
-                num_heads=heads,
-                num_kv_heads=_req_int(cfg, "num_key_value_heads", where),
-                head_dim=_attn_head_dim(cfg, where, h, heads),
-                output_gate=False,
-            )
-        recurrent = None
-        if "M" in pattern:
-            # Inner size is mamba_num_heads * mamba_head_dim (as in HF/SGLang); `expand` is not needed.
-            recurrent = Mamba2Spec(
-                num_layers=pattern.count("M"),
-                num_heads=_req_int(cfg, "mamba_num_heads", where),
-                head_dim=_req_int(cfg, "mamba_head_dim", where),
-                state_size=_req_int(cfg, "ssm_state_size", where),
-                n_groups=_req_int(cfg, "n_groups", where),
-                conv_kernel=_req_int(cfg, "conv_kernel", where),
-            )
-        mlps: list[MLPSpec] = []
-        if "-" in pattern:  # relu2 MLP: up + down (not gated)
-            mlps.append(
-                MLPSpec(
-                    num_layers=pattern.count("-"),
-                    gated=False,
-                    intermediate_size=_req_int(cfg, "intermediate_size", where),
-                )
-            )
-        if "E" in pattern:  # relu2 experts (not gated), no shared-expert gate
-            mlps.append(
-                MLPSpec(
-                    num_layers=pattern.count("E"),
-                    gated=False,
-                    num_experts=_req_int(cfg, "n_routed_experts", where),
-                    experts_per_token=_req_int(cfg, "num_experts_per_tok", where),
-                    expert_intermediate_size=_req_int(cfg, "moe_intermediate_size", where),
-                    shared_expert_intermediate_size=_opt_int(
-                        cfg, "moe_shared_expert_intermediate_size", where, 0
-                    ),
-                    shared_expert_gate=False,
-                )
-            )
-        return cls(
-            model_type=model_type,
-            hidden_size=h,
-            layer_kinds=tuple(kind_of[c] for c in pattern),
-            attention=attention,
-            recurrent=recurrent,
-            mlps=tuple(mlps),
-        )
 
     # ---------------------------------------------------------------- structure
 

@@ -355,14 +355,9 @@ class SparseBackendError(ValueError):
 
 
 def _cost_model(ctx: Any):
-    from sglang_sparse.policy import ModelCostModel
+    from .model_cost import model_cost
 
-    hf = getattr(ctx.model_config, "hf_config", None)
-    cfg = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf or {})
-    text = cfg.get("text_config")
-    if isinstance(text, dict) and "hidden_size" not in cfg:
-        cfg = {**text, "architectures": cfg.get("architectures")}
-    return ModelCostModel.from_hf_config(cfg)
+    return model_cost(ctx.model_config.hf_config)
 
 
 def engine_state_bytes(req_to_token_pool: Any) -> int | None:

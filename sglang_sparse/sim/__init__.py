@@ -2,7 +2,7 @@
 
 from .bound import HeadroomBound, ReuseProfile, headroom_bound, reuse_depths, reuse_profile
 from .future import FutureIndex
-from .models import MODEL_CONFIGS, QWEN3_NEXT_80B_A3B, cost_model
+from .models import MODELS, QWEN3_NEXT_80B_A3B, cost_model
 from .offline import OfflineCache, simulate_offline
 from .oracle import OracleLaw
 from .published import simulate_published
@@ -15,7 +15,7 @@ __all__ = [
     "FutureIndex",
     "HeadroomBound",
     "ReuseProfile",
-    "MODEL_CONFIGS",
+    "MODELS",
     "QWEN3_NEXT_80B_A3B",
     "SHAPES",
     "OfflineCache",

@@ -1,42 +1,62 @@
-"""Model configs (HF ``config.json`` dicts) the simulator and benchmarks use by name."""
+"""The models the simulator and benchmarks cost by name: a small table of block specs.
+
+Values from the public ``config.json`` files. A served model is costed from SGLang's own config
+object instead (:mod:`sglang_sparse.sglang_adapter.model_cost`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from sglang_sparse.policy.cost_model import (
+    AttentionSpec,
+    GatedDeltaNetSpec,
+    Mamba2Spec,
+    MLPSpec,
+    ModelCostModel,
+)
 
-from sglang_sparse.policy.cost_model import ModelCostModel
+#: Qwen/Qwen3-Next-80B-A3B: 48 layers, every 4th full attention (16 q / 2 kv heads x 256, output
+#: gate), the rest GatedDeltaNet (16 key / 32 value heads x 128, conv 4); MoE in every layer
+#: (512 experts, 10 per token, 512 wide, one 512-wide shared expert with its gate); bfloat16
+QWEN3_NEXT_80B_A3B = ModelCostModel(
+    model_type="qwen3_next",
+    hidden_size=2048,
+    layer_kinds=("recurrent", "recurrent", "recurrent", "attention") * 12,
+    attention=AttentionSpec(12, 16, 2, 256, output_gate=True),
+    recurrent=GatedDeltaNetSpec(36, 16, 32, 128, 128, 4),
+    mlps=(
+        MLPSpec(
+            48,
+            gated=True,
+            num_experts=512,
+            experts_per_token=10,
+            expert_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            shared_expert_gate=True,
+        ),
+    ),
+)
 
-QWEN3_NEXT_80B_A3B: dict[str, Any] = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "hidden_size": 2048,
-    "num_hidden_layers": 48,
-    "full_attention_interval": 4,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 2,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "intermediate_size": 5120,
-    "num_experts": 512,
-    "num_experts_per_tok": 10,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "torch_dtype": "bfloat16",
+#: nvidia/Nemotron-H-8B-Base-8K: 52 layers (pattern below: 24 Mamba2, 4 attention, 24 relu2 MLP);
+#: attention 32 q / 8 kv heads x 128, no gate; Mamba2 128 heads x 64, state 128, 8 groups, conv 4
+NEMOTRON_H_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+NEMOTRON_H_8B = ModelCostModel(
+    model_type="nemotron_h",
+    hidden_size=4096,
+    layer_kinds=tuple({"M": "recurrent", "*": "attention", "-": "mlp"}[c] for c in NEMOTRON_H_PATTERN),
+    attention=AttentionSpec(4, 32, 8, 128, output_gate=False),
+    recurrent=Mamba2Spec(24, 128, 64, 128, 8, 4),
+    mlps=(MLPSpec(24, gated=False, intermediate_size=21504),),
+)
+
+#: named models (``--model`` of the benchmarks)
+MODELS: dict[str, ModelCostModel] = {
+    "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
+    "nemotron-h-8b": NEMOTRON_H_8B,
 }
 
-MODEL_CONFIGS: dict[str, dict[str, Any]] = {"qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B}
 
-
-def cost_model(name_or_config: str | dict[str, Any]) -> ModelCostModel:
-    """Cost model of a named config (see :data:`MODEL_CONFIGS`) or of an HF config dict."""
-    if isinstance(name_or_config, dict):
-        return ModelCostModel.from_hf_config(name_or_config)
-    if name_or_config not in MODEL_CONFIGS:
-        raise ValueError(f"unknown model {name_or_config!r}; known: {', '.join(MODEL_CONFIGS)}")
-    return ModelCostModel.from_hf_config(MODEL_CONFIGS[name_or_config])
+def cost_model(name: str) -> ModelCostModel:
+    """The cost model of a named model (see :data:`MODELS`)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return MODELS[name]
