@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,6 +58,29 @@ def test_write_rejects_unsorted(tmp_path: Path) -> None:
     reqs = [Request.make("a", 0, 2.0, [1], [2]), Request.make("b", 0, 1.0, [1], [2])]
     with pytest.raises(ValueError, match="sorted"):
         write_trace(tmp_path / "t.jsonl", reqs)
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+
+
+def _write_many(path: str, barrier: Any) -> None:
+    reqs = [Request.make(f"s{i}", 0, float(i), list(range(200)), [1]) for i in range(2000)]
+    barrier.wait()
+    write_trace(path, reqs)
+
+
+def test_two_processes_writing_one_trace_both_succeed(tmp_path: Path) -> None:
+    """Two writers of the same trace (two pytest workers building it at collection) do not share a
+    temporary file: both finish and the trace is whole."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    path = str(tmp_path / "t.jsonl")
+    procs = [ctx.Process(target=_write_many, args=(path, barrier)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert len(read_trace(path)) == 2000
+    assert [f.name for f in tmp_path.iterdir()] == ["t.jsonl"]
 
 
 def test_meta_sidecar(tmp_path: Path) -> None:

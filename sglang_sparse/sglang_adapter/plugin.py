@@ -594,7 +594,7 @@ def sparse_cache_factory(ctx: Any):
     spec = get_policy(config.policy)
     try:
         cost = _cost_model(ctx)
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         if spec.flop_aware:
             raise SparseBackendError(
                 f"--radix-cache-backend sparse: policy {spec.name!r} is FLOP-aware but the model's cost "

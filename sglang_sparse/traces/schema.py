@@ -168,18 +168,23 @@ def write_trace(path: str | os.PathLike[str], requests: Iterable[Request]) -> in
     p.parent.mkdir(parents=True, exist_ok=True)
     prev_ts = -math.inf
     n = 0
-    tmp = p.with_name(p.name + ".tmp")
-    with tmp.open("w", encoding="utf-8", newline="\n") as f:
-        for r in requests:
-            if r.num_input_tokens != len(r.input_tokens) or r.num_output_tokens != len(r.output_tokens):
-                raise ValueError(f"inconsistent token counts in request {r.session_id}/{r.turn_id}")
-            if r.ts < prev_ts:
-                raise ValueError(f"requests not sorted by ts at {r.session_id}/{r.turn_id}")
-            prev_ts = r.ts
-            line = r.to_json() + "\n"
-            n += len(line.encode("utf-8"))
-            f.write(line)
-    tmp.replace(p)
+    # One temporary file per writer: two processes building the same trace (two pytest workers
+    # collecting a module that builds it) each replace the file atomically, never each other's tmp.
+    tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8", newline="\n") as f:
+            for r in requests:
+                if r.num_input_tokens != len(r.input_tokens) or r.num_output_tokens != len(r.output_tokens):
+                    raise ValueError(f"inconsistent token counts in request {r.session_id}/{r.turn_id}")
+                if r.ts < prev_ts:
+                    raise ValueError(f"requests not sorted by ts at {r.session_id}/{r.turn_id}")
+                prev_ts = r.ts
+                line = r.to_json() + "\n"
+                n += len(line.encode("utf-8"))
+                f.write(line)
+        tmp.replace(p)
+    finally:
+        tmp.unlink(missing_ok=True)
     return n
 
 
