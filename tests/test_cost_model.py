@@ -119,7 +119,7 @@ def qnext() -> ModelCostModel:
 
 @pytest.fixture(scope="module")
 def q35() -> ModelCostModel:
-    return served(QWEN3_5_0_8B)
+    return Q35
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,7 @@ __all__ = [
     "GatedDeltaNetSpec",
     "Mamba2Spec",
     "MLPSpec",
+    "NEMOTRON_H_LAYER_KINDS",
     "ModelCostModel",
 ]
 
@@ -269,6 +270,10 @@ class MLPSpec:
 
 
 RecurrentSpec = GatedDeltaNetSpec | Mamba2Spec
+
+#: Nemotron-H's ``hybrid_override_pattern`` symbol -> layer kind (``M`` Mamba2, ``*`` attention,
+#: ``-`` a relu2 MLP, ``E`` relu2 experts; each symbol is one whole decoder layer)
+NEMOTRON_H_LAYER_KINDS: dict[str, str] = {"M": "recurrent", "*": "attention", "-": "mlp", "E": "mlp"}
 
 
 # --------------------------------------------------------------------------------------------------

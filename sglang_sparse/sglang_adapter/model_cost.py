@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_sparse.policy.cost_model import (
+    NEMOTRON_H_LAYER_KINDS,
     AttentionSpec,
     GatedDeltaNetSpec,
     Mamba2Spec,
@@ -128,11 +129,10 @@ def _nemotron_h(cfg: Any) -> ModelCostModel:
                 shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or 0,
             )
         )
-    kinds = {"M": "recurrent", "*": "attention", "-": "mlp", "E": "mlp"}
     return ModelCostModel(
         model_type=cfg.model_type,
         hidden_size=cfg.hidden_size,
-        layer_kinds=tuple(kinds[c] for c in pattern),
+        layer_kinds=tuple(NEMOTRON_H_LAYER_KINDS[c] for c in pattern),
         attention=_attention(cfg, pattern.count("*"), output_gate=False),
         recurrent=recurrent,
         mlps=tuple(mlps),

@@ -7,6 +7,7 @@ object instead (:mod:`sglang_sparse.sglang_adapter.model_cost`).
 from __future__ import annotations
 
 from sglang_sparse.policy.cost_model import (
+    NEMOTRON_H_LAYER_KINDS,
     AttentionSpec,
     GatedDeltaNetSpec,
     Mamba2Spec,
@@ -42,7 +43,7 @@ NEMOTRON_H_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 NEMOTRON_H_8B = ModelCostModel(
     model_type="nemotron_h",
     hidden_size=4096,
-    layer_kinds=tuple({"M": "recurrent", "*": "attention", "-": "mlp"}[c] for c in NEMOTRON_H_PATTERN),
+    layer_kinds=tuple(NEMOTRON_H_LAYER_KINDS[c] for c in NEMOTRON_H_PATTERN),
     attention=AttentionSpec(4, 32, 8, 128, output_gate=False),
     recurrent=Mamba2Spec(24, 128, 64, 128, 8, 4),
     mlps=(MLPSpec(24, gated=False, intermediate_size=21504),),
