@@ -1,4 +1,4 @@
-"""MirrorTree + TreePolicy driven by :class:`~sglang_sparse.testing.mini_engine.MiniEngine`, a small
+"""MirrorTree + TreePolicy driven by :class:`~sparse_testing.mini_engine.MiniEngine`, a small
 token radix tree with SGLang's structural-event semantics (no SGLang)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from sparse_testing.mini_engine import MiniEngine
 
 from sglang_sparse.policy import HybridCache
 from sglang_sparse.policy.choose import EdgePlan, PlanTable
@@ -17,7 +18,6 @@ from sglang_sparse.policy.evict import CKPT
 from sglang_sparse.sglang_adapter.config import SparseConfig
 from sglang_sparse.sglang_adapter.tree_policy import TreePolicy
 from sglang_sparse.sim import cost_model
-from sglang_sparse.testing.mini_engine import MiniEngine
 from sglang_sparse.tree import MirrorError, MirrorTree, RadixTree
 
 KV_B, STATE_B = 10, 500

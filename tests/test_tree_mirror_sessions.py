@@ -11,13 +11,13 @@ import random
 from collections.abc import Callable
 
 import numpy as np
+from sparse_testing.mini_engine import MiniEngine
 
 from sglang_sparse.policy import HybridCache
 from sglang_sparse.policy.evict import CKPT
 from sglang_sparse.sglang_adapter.config import SparseConfig
 from sglang_sparse.sglang_adapter.tree_policy import TreePolicy
 from sglang_sparse.sim import cost_model
-from sglang_sparse.testing.mini_engine import MiniEngine
 
 KV_B, STATE_B = 10, 500
 COST = cost_model("qwen3-next-80b-a3b")

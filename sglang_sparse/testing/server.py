@@ -1,8 +1,8 @@
-"""Run a real SGLang server (or offline Engine) on the CPU, and an HF transformers greedy reference.
+"""Run a real SGLang server on the CPU (the serving tests' and benchmarks' launcher).
 
 Used by the serving tests and benchmarks::
 
-    from sglang_sparse.testing.server import SGLangServer, hf_greedy
+    from sglang_sparse.testing.server import SGLangServer
 
     with SGLangServer(model_dir, extra_args=["--radix-cache-backend", "sparse"]) as srv:
         out = srv.generate([5, 6, 7], max_new_tokens=8)
@@ -21,7 +21,6 @@ import torch (~10 s, ~480 MB) into client processes that do not otherwise need i
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import random
 import signal
@@ -30,13 +29,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Flags that make SGLang 0.5.23 serve a hybrid GDN model on a CPU without AMX.
-CPU_SERVER_ARGS: tuple[str, ...] = (
+#: Flags that make SGLang 0.5.23 serve a hybrid GDN model on a CPU without AMX, up to the Mamba
+#: radix-cache strategy's name (:data:`CPU_SERVER_ARGS`, :data:`CPU_EXTRA_BUFFER_SERVER_ARGS`).
+_CPU_ARGS: tuple[str, ...] = (
     "--device",
     "cpu",
     "--skip-tokenizer-init",
@@ -46,9 +46,9 @@ CPU_SERVER_ARGS: tuple[str, ...] = (
     "--mem-fraction-static",
     "0.05",
     "--mamba-radix-cache-strategy",
-    "no_buffer",
-    "--disable-overlap-schedule",
 )
+#: The CPU server on ``no_buffer`` with the overlap schedule off (SGLang's in-tree CPU platform).
+CPU_SERVER_ARGS: tuple[str, ...] = (*_CPU_ARGS, "no_buffer", "--disable-overlap-schedule")
 
 #: Environment for SGLang on the CPU (merged over os.environ; callers may add more).
 #: SGLANG_MAMBA_CONV_DTYPE: SGLang keeps GDN conv states in bfloat16 by default, which makes decode
@@ -67,18 +67,7 @@ CPU_EXTRA_BUFFER_ENV: dict[str, str] = {"SGLANG_PLATFORM": "sglang_sparse_cpu"}
 #:
 #:     SGLangServer(model, base_args=CPU_EXTRA_BUFFER_SERVER_ARGS, env=CPU_EXTRA_BUFFER_ENV,
 #:                  extra_args=["--page-size", "16"])
-CPU_EXTRA_BUFFER_SERVER_ARGS: tuple[str, ...] = (
-    "--device",
-    "cpu",
-    "--skip-tokenizer-init",
-    "--disable-cuda-graph",
-    "--dtype",
-    "float32",
-    "--mem-fraction-static",
-    "0.05",
-    "--mamba-radix-cache-strategy",
-    "extra_buffer",
-)
+CPU_EXTRA_BUFFER_SERVER_ARGS: tuple[str, ...] = (*_CPU_ARGS, "extra_buffer")
 
 #: The two state strategies a benchmark config can run on: ``no_buffer`` (overlap schedule off,
 #: page size 1; SGLang's in-tree CPU platform) and ``extra_buffer`` (SGLang's GPU default: overlap
@@ -182,6 +171,34 @@ def _tail(path: Path, n_chars: int = 6000) -> str:
     return text[-n_chars:]
 
 
+def _group(pgid: int) -> dict[int, str]:
+    """pid -> command line of the live processes in group ``pgid`` (Linux ``/proc``; zombies, which
+    wait for init to reap them, are not live)."""
+    out: dict[int, str] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if (
+                os.getpgid(int(proc.name)) == pgid
+                and (proc / "stat").read_text().split(")")[-1].split()[0] != "Z"
+            ):
+                out[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _mapped_shm(pids: Sequence[int]) -> set[str]:
+    """The ``/dev/shm`` files mapped by ``pids``."""
+    out: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1]
+                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                    out.add(path)
+    return out
+
+
 class SGLangServer:
     """A ``python -m sglang.launch_server`` subprocess on the CPU.
 
@@ -272,26 +289,35 @@ class SGLangServer:
         self.startup_seconds = time.monotonic() - t0
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the launcher, wait up to ``timeout`` seconds, then SIGKILL its process group.
+    def stop(self) -> None:
+        """SIGKILL the server's processes (launcher, scheduler, detokenizer), let multiprocessing's
+        resource tracker unlink what they registered, and unlink the ``/dev/shm`` files they mapped.
 
-        Only the launcher gets the SIGTERM: it drains and stops its subprocesses itself (~2 s on
-        2 cores). A SIGTERM to the whole group also reaches the scheduler, whose exit code -15 the
-        launcher's watchdog takes for a crash: it then sleeps 5 s "before crash diagnostics"."""
+        Not SIGTERM: SGLang's graceful stop drains in a watchdog that polls every 5 s and then asks
+        each scheduler to exit (2.4-4 s a server on 2 cores, about a tenth of a test suite that starts
+        ~50 servers), and a SIGTERM that reaches the scheduler first is taken for a crash. Nothing a
+        caller reads is written at shutdown: read :meth:`log_tail` and the statistics before stopping.
+        What a stop leaves is no more than SGLang's own graceful stop leaves (its load-report segment
+        ``sglang_loads_*.shm``, which this unlinks too): the resource tracker, spared the kill, sees
+        its clients gone and unlinks their semaphores. Only this server's files are touched."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
         if proc is not None:
-            # Children (scheduler, detokenizer) share the group; make sure none survive.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            group = _group(proc.pid) if proc.poll() is None else {}
+            shm = _mapped_shm(list(group))
+            for pid, cmd in group.items():
+                if "multiprocessing.resource_tracker" not in cmd:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+            deadline = time.monotonic() + 5
+            while _group(proc.pid) and time.monotonic() < deadline:  # the tracker's clean-up
+                time.sleep(0.05)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            for path in shm:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         log = getattr(self, "_log", None)
         if log is not None:
             log.close()
@@ -404,124 +430,3 @@ class SGLangServer:
         import requests
 
         return requests.post(f"{self.url}/flush_cache", timeout=60).status_code == 200
-
-
-@contextlib.contextmanager
-def cpu_engine(model_path: str | Path, **kwargs: Any) -> Iterator[Any]:
-    """An offline ``sglang.Engine`` on the CPU with the same settings as :class:`SGLangServer`.
-
-    ``kwargs`` override/extend the engine's ServerArgs fields. Yields the engine; shuts it down.
-    """
-    for k, v in CPU_ENV.items():
-        os.environ.setdefault(k, v)
-    import sglang
-
-    defaults: dict[str, Any] = dict(
-        device="cpu",
-        skip_tokenizer_init=True,
-        disable_cuda_graph=True,
-        dtype="float32",
-        mem_fraction_static=0.05,
-        mamba_radix_cache_strategy="no_buffer",
-        disable_overlap_schedule=True,
-        max_total_tokens=4096,
-        max_mamba_cache_size=16,
-        log_level="error",
-    )
-    defaults.update(kwargs)
-    engine = sglang.Engine(model_path=str(model_path), **defaults)
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
-
-
-def engine_generate(engine: Any, input_ids: Sequence[int], max_new_tokens: int = 8) -> GenerateResult:
-    """Greedy generation through an offline Engine, same result type as the HTTP helper."""
-    out = engine.generate(
-        input_ids=list(input_ids),
-        sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
-    )
-    return GenerateResult(output_ids=list(out["output_ids"]), meta=dict(out.get("meta_info", {})))
-
-
-# -- HF transformers reference ---------------------------------------------------------------
-_TORCH_PATH_FUNCS = (
-    "torch_chunk_gated_delta_rule",
-    "torch_recurrent_gated_delta_rule",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-)
-_HF_MODULES = (
-    "transformers.models.qwen3_next.modeling_qwen3_next",
-    "transformers.models.qwen3_5.modeling_qwen3_5",
-)
-
-
-def force_hf_torch_path() -> list[str]:
-    """Point HF's GDN layers at their pure-torch functions.
-
-    transformers resolves ``chunk_gated_delta_rule`` etc. at import time and prefers FLA (Triton)
-    or causal-conv1d when importable; those crash on a CPU. Each module-level wrapper keeps the torch
-    function as ``__wrapped__``; this rebinds the module globals to it. Returns the names rebound.
-    """
-    import importlib
-
-    rebound = []
-    for mod_name in _HF_MODULES:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
-        for name in _TORCH_PATH_FUNCS:
-            fn = getattr(mod, name, None)
-            if fn is None:
-                continue
-            base = inspect.unwrap(fn)
-            if base is not fn:
-                setattr(mod, name, base)
-                rebound.append(f"{mod_name}.{name}")
-    return rebound
-
-
-class HFReference:
-    """Greedy generation with HF transformers on the CPU (fp32, torch-only GDN path)."""
-
-    def __init__(self, model_path: str | Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        force_hf_torch_path()
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-        self.model.eval()
-
-    def greedy(self, input_ids: Sequence[int], max_new_tokens: int = 8) -> list[int]:
-        """Greedy continuation of ``input_ids`` (prefill + cached decode, like a server)."""
-        torch = self.torch
-        ids = torch.tensor([list(input_ids)], dtype=torch.long)
-        with torch.inference_mode():
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=0,
-            )
-        return [int(t) for t in out[0, ids.shape[1] :].tolist()]
-
-    def logits(self, input_ids: Sequence[int]) -> Any:
-        """Last-position logits (fp32) for ``input_ids`` (full forward, no cache)."""
-        torch = self.torch
-        with torch.inference_mode():
-            return self.model(torch.tensor([list(input_ids)]), use_cache=False).logits[0, -1]
-
-
-def hf_greedy(
-    model_path: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8
-) -> list[list[int]]:
-    """Convenience: greedy continuations of several prompts with one HF model load."""
-    ref = HFReference(model_path)
-    return [ref.greedy(p, max_new_tokens) for p in prompts]

@@ -14,21 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
-
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
 require_serving_stack()
 
+from sparse_testing.engine import HFReference, cpu_engine, engine_generate  # noqa: E402
+
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
-from sglang_sparse.testing.server import (  # noqa: E402
-    HFReference,
-    ServerError,
-    SGLangServer,
-    cpu_engine,
-    engine_generate,
-)
+from sglang_sparse.testing.server import ServerError, SGLangServer  # noqa: E402
 
 VOCAB = 4096
 CONTEXT = 512

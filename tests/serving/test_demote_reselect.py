@@ -16,8 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 

@@ -9,9 +9,8 @@ scheduler's (``benchmarks/scheduler_cache.py``), one subprocess per dtype, ~25 s
 from __future__ import annotations
 
 import pytest
-
-from sglang_sparse.testing.child import run_tagged_child
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.child import run_tagged_child
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 

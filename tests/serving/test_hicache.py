@@ -35,20 +35,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
 require_serving_stack(cpu_platform=True)
 
 import requests  # noqa: E402
+from sparse_testing.reference import NoCacheReference  # noqa: E402
+from sparse_testing.storm import CAPTURE_OUTCOMES, new_tokens, run_storm, storm_prompts  # noqa: E402
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
-from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import ServerError, SGLangServer, strategy_setup  # noqa: E402
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns  # noqa: E402
-from sglang_sparse.testing.storm import CAPTURE_OUTCOMES, new_tokens, run_storm, storm_prompts  # noqa: E402
 
 VOCAB = 4096
 NEW = 8

@@ -8,9 +8,8 @@ subprocess (its own published ``ServerArgs``, fresh node ids and clocks), ~1 min
 from __future__ import annotations
 
 import pytest
-
-from sglang_sparse.testing.child import run_tagged_child
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.child import run_tagged_child
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 

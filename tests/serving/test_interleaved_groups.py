@@ -17,15 +17,15 @@ import random
 from pathlib import Path
 
 import pytest
-
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
 require_serving_stack(cpu_platform=True)
 
+from sparse_testing.reference import NoCacheReference  # noqa: E402
+
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
-from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import SGLangServer, strategy_setup  # noqa: E402
 
 VOCAB = 4096

@@ -15,15 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
 require_serving_stack()
 
+from sparse_testing.reference import NoCacheReference  # noqa: E402
+
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
-from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import SGLangServer  # noqa: E402
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns  # noqa: E402
 

@@ -30,17 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
 require_serving_stack(cpu_platform=True)
 
 import requests  # noqa: E402
+from sparse_testing.reference import NoCacheReference  # noqa: E402
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
-from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import (  # noqa: E402
     CPU_EXTRA_BUFFER_ENV,
     CPU_EXTRA_BUFFER_SERVER_ARGS,

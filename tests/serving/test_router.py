@@ -23,8 +23,7 @@ import signal
 from pathlib import Path
 
 import pytest
-
-from sglang_sparse.testing.stack import SERVING_MODULES, require_serving_stack
+from sparse_testing.stack import SERVING_MODULES, require_serving_stack
 
 pytestmark = pytest.mark.serving
 

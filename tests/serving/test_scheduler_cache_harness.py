@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
-from sglang_sparse.testing.child import REPO, child_env, run_tagged_child
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.child import REPO, child_env, run_tagged_child
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 

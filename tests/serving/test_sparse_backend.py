@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
@@ -35,9 +34,9 @@ if not _entry_point_installed():
     )
 
 import requests  # noqa: E402
+from sparse_testing.reference import NoCacheReference  # noqa: E402
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
-from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import ServerError, SGLangServer  # noqa: E402
 
 VOCAB = 4096

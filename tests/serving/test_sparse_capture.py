@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from sparse_testing.reference import NoCacheReference
+from sparse_testing.storm import CAPTURE_OUTCOMES
 from test_sparse_backend import (  # sibling test module (pytest puts tests/serving on sys.path)
     NEW,
     _start,
@@ -28,9 +30,6 @@ from test_sparse_backend import (  # sibling test module (pytest puts tests/serv
     toks,
     workload,
 )
-
-from sglang_sparse.testing.reference import NoCacheReference
-from sglang_sparse.testing.storm import CAPTURE_OUTCOMES
 
 pytestmark = pytest.mark.serving
 

@@ -28,18 +28,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from sglang_sparse.testing.stack import require_serving_stack
+from sparse_testing.stack import require_serving_stack
 
 pytestmark = pytest.mark.serving
 
 require_serving_stack(cpu_platform=True)
 
 import requests  # noqa: E402
+from sparse_testing.reference import NoCacheReference  # noqa: E402
+from sparse_testing.storm import new_tokens, run_storm, storm_prompts  # noqa: E402
 from test_sparse_backend import NEW, assert_one_tree, toks, workload  # noqa: E402
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
-from sglang_sparse.testing.reference import NoCacheReference  # noqa: E402
 from sglang_sparse.testing.server import (  # noqa: E402
     CPU_EXTRA_BUFFER_ENV,
     CPU_EXTRA_BUFFER_SERVER_ARGS,
@@ -47,7 +47,6 @@ from sglang_sparse.testing.server import (  # noqa: E402
     ServerError,
     SGLangServer,
 )
-from sglang_sparse.testing.storm import new_tokens, run_storm, storm_prompts  # noqa: E402
 
 CONTEXT = 2048
 CHUNK = ["--chunked-prefill-size", "256"]

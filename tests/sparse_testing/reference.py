@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sglang_sparse.models.tiny import make_tiny_model
-
-from .server import GenerateResult, SGLangServer, strategy_setup
+from sglang_sparse.testing.server import GenerateResult, SGLangServer, strategy_setup
 
 #: context of the reference server (tokens): the longest prompt of any serving test fits
 REFERENCE_CONTEXT = 8192
