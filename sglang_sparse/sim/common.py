@@ -10,7 +10,7 @@ tokens for lengths and depths, FLOPs, bytes. This module sits below all of them 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -79,6 +79,20 @@ class SimResult(HitRates):
     load_bytes: int = 0
     load_flops: float = 0.0
 
+    def add(self, rec: RequestRecord, keep: bool = True) -> None:
+        """Count one request's outcome; ``keep``: also append ``rec`` to :attr:`records`. Call in trace
+        order: the FLOP sums are float additions, so their order fixes the result's last bits."""
+        self.requests += 1
+        self.input_tokens += rec.input_len
+        self.hit_tokens += rec.resume_depth
+        self.kv_hit_tokens += rec.kv_depth
+        self.recomputed_tokens += rec.recomputed
+        self.flops_saved += rec.flops_saved
+        self.flops_total += rec.flops_total
+        self.max_bytes_used = max(self.max_bytes_used, rec.bytes_used)
+        if keep:
+            self.records.append(rec)
+
     @property
     def net_flops_saved_frac(self) -> float:
         """FLOPs saved minus the host loads' device time (in FLOPs), over the prefill FLOPs."""
@@ -94,6 +108,15 @@ class SimResult(HitRates):
             for k in ("host_bytes", "host_hit_tokens", "load_bytes", "load_flops"):
                 del d[k]
         return d
+
+
+def progress_range(n: int, show: bool, name: str, cache_bytes: float) -> Iterable[int]:
+    """``range(n)``; with ``show``, wrapped in a transient tqdm bar labelled ``name@<size in GiB>``."""
+    if not show:
+        return range(n)
+    from tqdm import tqdm
+
+    return tqdm(range(n), desc=f"{name}@{cache_bytes / 2**30:.1f}GiB", leave=False)
 
 
 def prepare_requests(requests: Sequence[SimRequest]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -75,10 +75,6 @@ class FutureIndex:
         self.trie = trie
         self._mask = mask
 
-    def node_mask(self, uid: int) -> int:
-        """Requests whose input runs through the whole trie edge ``uid``."""
-        return self._mask.get(uid, 0)
-
     def _walk(self, seq: np.ndarray) -> tuple[int, list[int], list[int], list[int]]:
         """``(depth reached, [edge start], [edge end], [edge mask])`` along ``seq``'s trie path."""
         m = self.trie.match(seq)

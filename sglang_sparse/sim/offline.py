@@ -67,7 +67,7 @@ import numpy as np
 from sglang_sparse.policy import ModelCostModel
 from sglang_sparse.tree import Freed, Node, RadixTree
 
-from .common import Observer, RequestRecord, SimResult, prepare_requests
+from .common import Observer, RequestRecord, SimResult, prepare_requests, progress_range
 from .future import FutureIndex, after, first_bit
 from .trace import SimRequest
 
@@ -343,12 +343,7 @@ def simulate_offline(
     name = name or ("offline" if grid is None else f"offline_grid{grid}")
     res = SimResult(name, int(cache_bytes))
     prepared = prepare_requests(requests)
-    it = range(len(prepared))
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(it, desc=f"{name}@{cache_bytes / 2**30:.1f}GiB", leave=False)
-    for i in it:
+    for i in progress_range(len(prepared), progress, name, cache_bytes):
         inp, full = prepared[i]
         s = cache.serve(inp, full, observer)
         if check:
@@ -358,16 +353,6 @@ def simulate_offline(
         c, kv = s.resume_depth, s.kv_depth
         saved = cost.flops_saved(len(inp), c)
         total = cost.prefill_flops(len(inp))
-        res.requests += 1
-        res.input_tokens += len(inp)
-        res.hit_tokens += c
-        res.kv_hit_tokens += kv
-        res.recomputed_tokens += kv - c
-        res.flops_saved += saved
-        res.flops_total += total
-        res.max_bytes_used = max(res.max_bytes_used, cache.bytes_used)
-        if keep_records:
-            res.records.append(
-                RequestRecord(i, len(inp), kv, c, kv - c, s.captured, saved, total, cache.bytes_used)
-            )
+        rec = RequestRecord(i, len(inp), kv, c, kv - c, s.captured, saved, total, cache.bytes_used)
+        res.add(rec, keep_records)
     return res

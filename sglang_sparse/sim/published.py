@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from sglang_sparse.policy import ModelCostModel
 
-from .common import RequestRecord, SimResult, prepare_requests
+from .common import RequestRecord, SimResult, prepare_requests, progress_range
 from .published_caches import PublishedModel, as_published_model, make_published_cache
 from .trace import SimRequest
 
@@ -40,40 +40,16 @@ def simulate_published(
     model = as_published_model(cost)
     cache = make_published_cache(policy, cache_bytes, model, alpha=alpha, **cache_kwargs)
     res = SimResult(policy, int(cache_bytes))
-    it = range(len(requests))
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(it, desc=f"{policy}@{cache_bytes / 2**30:.1f}GiB", leave=False)
     prepared = prepare_requests(requests)
-    for i in it:
+    for i in progress_range(len(prepared), progress, policy, cache_bytes):
         inp, full = prepared[i]
         s = cache.serve(inp, full)
         if check:
             cache.check()
         saved = float(model.request_flops_saved(s.hit))
         total = float(model.request_flops_saved(len(inp)))
-        res.requests += 1
-        res.input_tokens += len(inp)
-        res.hit_tokens += s.hit
-        res.kv_hit_tokens += s.prefix_len
-        res.recomputed_tokens += s.prefix_len - s.hit
-        res.flops_saved += saved
-        res.flops_total += total
-        res.max_bytes_used = max(res.max_bytes_used, int(s.bytes_used))
-        if keep_records:
-            res.records.append(
-                RequestRecord(
-                    i,
-                    len(inp),
-                    s.prefix_len,
-                    s.hit,
-                    s.prefix_len - s.hit,
-                    s.created,
-                    saved,
-                    total,
-                    int(s.bytes_used),
-                )
-            )
+        kv, used = s.prefix_len, int(s.bytes_used)
+        rec = RequestRecord(i, len(inp), kv, s.hit, kv - s.hit, s.created, saved, total, used)
+        res.add(rec, keep_records)
     res.alphas = list(getattr(cache, "tunings", []))
     return res

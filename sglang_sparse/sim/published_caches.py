@@ -37,7 +37,7 @@ import numpy as np
 from sglang_sparse.policy.cost_model import ModelCostModel
 from sglang_sparse.policy.registry import get_published
 from sglang_sparse.policy.tuner import AlphaTuner
-from sglang_sparse.tree.lcp import as_tokens, lcp
+from sglang_sparse.tree.lcp import lcp
 
 #: ``config_tuner.py: ConfigTuner.tune_config`` default ``weights``
 MARCONI_ALPHA_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(21))
@@ -46,7 +46,6 @@ MARCONI_TUNING_LAST_N = 500
 #: ``radix_cache_hybrid.py: RadixCache.__init__`` default ``bootstrap_multiplier`` (15 for LMSys)
 MARCONI_BOOTSTRAP_MULTIPLIER = 5
 
-REFERENCE_REPO = "github.com/ruipeterpan/marconi"
 REFERENCE_COMMIT = "08016617b1524e6bf6ac29b680641cc945bda7f0"
 
 
@@ -209,6 +208,31 @@ class _Node:
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+
+
+def _evict_lru_leaves(cache: PublishedCache, bytes_to_remove: float) -> None:
+    """SGLang+'s ``evict_v1`` and vLLM+'s ``evict`` (same code in the reference): heapify the leaves
+    (childless nodes, depth-first pre-order, the root if it is one) by ``ts``, then pop the oldest and
+    delete it (``cache._delete_leaf``; a parent left childless joins the heap) until the freed bytes
+    (one state + the node's KV each) reach ``bytes_to_remove`` or the root comes up."""
+    leaves, stack = [], [cache.root]
+    while stack:
+        x = stack.pop()
+        if not x.children:
+            leaves.append(x)
+        else:
+            stack.extend(reversed(x.children.values()))
+    heapq.heapify(leaves)
+    state1 = cache.model.states_bytes(1)
+    evicted = 0
+    while evicted < bytes_to_remove and leaves:
+        x = heapq.heappop(leaves)
+        if x is cache.root:
+            break
+        evicted += state1 + cache.model.kv_bytes(len(x.key))
+        cache._delete_leaf(x)
+        if not x.parent.children:
+            heapq.heappush(leaves, x.parent)
 
 
 class PublishedHybridCache:
@@ -395,20 +419,9 @@ class PublishedHybridCache:
             self.num_reqs_before_eviction = len(self.hits)
             self.bootstrap_window_size = self.bootstrap_multiplier * self.num_reqs_before_eviction
         if self.version == 1:
-            self._evict_v1(bytes_to_remove)
+            _evict_lru_leaves(self, bytes_to_remove)
         else:
             self._evict_v2(bytes_to_remove)
-
-    def _leaves(self) -> list[_Node]:
-        """``_collect_leaves``: childless nodes in depth-first pre-order (the root if it is one)."""
-        out, stack = [], [self.root]
-        while stack:
-            x = stack.pop()
-            if not x.children:
-                out.append(x)
-            else:
-                stack.extend(reversed(x.children.values()))
-        return out
 
     def _candidates(self) -> list[_Node]:
         """``_collect_leaf_and_single_child_nodes``: non-root nodes with <= 1 child, pre-order."""
@@ -425,20 +438,6 @@ class PublishedHybridCache:
         del x.parent.children[int(x.key[0])]
         self.num_nodes -= 1
         self.kv_tokens -= len(x.key)
-
-    def _evict_v1(self, bytes_to_remove: float) -> None:
-        leaves = self._leaves()
-        heapq.heapify(leaves)
-        state1 = self.model.states_bytes(1)
-        evicted = 0
-        while evicted < bytes_to_remove and leaves:
-            x = heapq.heappop(leaves)
-            if x is self.root:
-                break
-            evicted += state1 + self.model.kv_bytes(len(x.key))
-            self._delete_leaf(x)
-            if not x.parent.children:
-                heapq.heappush(leaves, x.parent)
 
     def _efficiency(self, x: _Node) -> float:
         start = x.end - len(x.key)
@@ -675,28 +674,14 @@ class PublishedBlockCache:
             created += 1
 
     def evict(self, bytes_to_remove: float) -> None:
-        """LRU over leaves (``RadixCache.evict``)."""
+        """LRU over leaves (``RadixCache.evict``: :func:`_evict_lru_leaves`)."""
         self.clock += 1
-        leaves, stack = [], [self.root]
-        while stack:
-            x = stack.pop()
-            if not x.children:
-                leaves.append(x)
-            else:
-                stack.extend(reversed(x.children.values()))
-        heapq.heapify(leaves)
-        state1 = self.model.states_bytes(1)
-        evicted = 0
-        while evicted < bytes_to_remove and leaves:
-            x = heapq.heappop(leaves)
-            if x is self.root:
-                break
-            evicted += state1 + self.model.kv_bytes(len(x.key))
-            del x.parent.children[x.uid]
-            self.num_nodes -= 1
-            self.kv_tokens -= len(x.key)
-            if not x.parent.children:
-                heapq.heappush(leaves, x.parent)
+        _evict_lru_leaves(self, bytes_to_remove)
+
+    def _delete_leaf(self, x: _Block) -> None:
+        del x.parent.children[x.uid]
+        self.num_nodes -= 1
+        self.kv_tokens -= len(x.key)
 
     def check(self) -> None:
         """Assert structure and counters (block sizes, partial blocks are leaves, counts)."""
@@ -742,8 +727,3 @@ def make_published_cache(
         if version == 2:
             version = 3
     return PublishedHybridCache(version, capacity_bytes, model, alpha=alpha or 0.0, **kwargs)  # type: ignore[arg-type]
-
-
-def as_ids(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as the int32 array the published caches take."""
-    return as_tokens(tokens)

@@ -38,7 +38,7 @@ from sglang_sparse.policy import (
 )
 from sglang_sparse.policy.host_tier import HostCost, HostTierConfig
 
-from .common import Observer, RequestRecord, SimResult, prepare_requests
+from .common import Observer, RequestRecord, SimResult, prepare_requests, progress_range
 from .host_tier import TwoTierCache
 from .oracle import OracleLaw
 from .trace import SimRequest
@@ -56,7 +56,6 @@ def simulate(
     *,
     alpha: float | None = None,
     bootstrap: int | None = None,
-    tuner: AlphaTuner | None = None,
     oracle: OracleLaw | None = None,
     keep_records: bool = True,
     progress: bool = False,
@@ -73,7 +72,7 @@ def simulate(
     whenever a window's hit rate drifts, see :class:`AlphaTuner`). The published baselines
     (``PUBLISHED_POLICIES``: ``sglang_plus_published``, ``marconi_published``,
     ``vllm_plus_published``) run through :func:`.published.simulate_published` (``bootstrap``,
-    ``tuner``, ``oracle``, ``retune`` do not apply; ``cost`` may also be a ``MarconiModel``).
+    ``oracle``, ``retune`` do not apply; ``cost`` may also be a ``MarconiModel``).
     ``oracle`` must be given for the ``oracle`` policy (built automatically when omitted).
     ``observer`` (registry policies and ``offline``) is called once per request, after its eviction, with
     ``(index, match, {position: state handle} captured, insert result, freed)``: read-only
@@ -154,17 +153,12 @@ def simulate(
         cache.alpha = alpha
     window = bootstrap if bootstrap is not None else max(1, min(200, n // 5))
     if tuning:
-        tuner = tuner or AlphaTuner(window=window, retune=retune)
+        tuner = AlphaTuner(window=window, retune=retune)
     hits: list[float] = []
     since_tune = 0
-    it = range(n)
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(it, desc=f"{spec.name}@{cache_bytes / 2**30:.1f}GiB", leave=False)
     ids = itertools.count(1)
     snapshot = _snapshot(cache, oracle) if tuning else None
-    for i in it:
+    for i in progress_range(n, progress, spec.name, cache_bytes):
         inp, full = prepared[i]
         c, kv, saved, total, captured, load = _serve(cache, inp, full, cost, ids, observer, i, tier)
         if load:
@@ -173,18 +167,8 @@ def simulate(
             res.load_flops += host.load_flops(load)
         if check:
             cache.tree.check()
-        res.requests += 1
-        res.input_tokens += len(inp)
-        res.hit_tokens += c
-        res.kv_hit_tokens += kv
-        res.recomputed_tokens += kv - c
-        res.flops_saved += saved
-        res.flops_total += total
-        res.max_bytes_used = max(res.max_bytes_used, cache.bytes_used)
-        if keep_records:
-            res.records.append(
-                RequestRecord(i, len(inp), kv, c, kv - c, captured, saved, total, cache.bytes_used)
-            )
+        rec = RequestRecord(i, len(inp), kv, c, kv - c, captured, saved, total, cache.bytes_used)
+        res.add(rec, keep_records)
         hits.append(c / max(len(inp), 1))
         since_tune += 1
         if tuning and since_tune >= window and i + 1 < n:
