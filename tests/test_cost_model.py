@@ -345,12 +345,12 @@ def test_additivity(name: str, a: int, b: int, past: int) -> None:
 def test_resume_and_saved(name: str, request: pytest.FixtureRequest) -> None:
     m: ModelCostModel = request.getfixturevalue(name)
     c, d = 4096, 6000
-    assert m.resume_recompute_flops(c, d) == m.prefill_flops(d - c, past_tokens=c)
-    assert m.resume_recompute_flops(d, d) == 0.0
-    # resuming recomputes at least the context-independent part
-    assert m.resume_recompute_flops(c, d) > m.recurrent_flops(d - c)
+    # resuming at checkpoint c with KV matched to d re-prefills c..d through all layers
+    assert m.node_flops_saved(d, c) == m.prefill_flops(d - c, past_tokens=c)
+    assert m.node_flops_saved(d, d) == 0.0
+    # ... so it costs more than the context-independent part (recurrent layers + MLPs) alone
     by = m.prefill_flops_by_kind(d - c)
-    assert m.recurrent_flops(d - c) == by["recurrent"] + by["mlp"]
+    assert m.node_flops_saved(d, c) > by["recurrent"] + by["mlp"]
     # saved == full prefill - what still has to run after the hit
     p, r = 10_000, 4096
     saved = m.flops_saved(p, r)
@@ -359,30 +359,19 @@ def test_resume_and_saved(name: str, request: pytest.FixtureRequest) -> None:
     assert m.flops_saved(p, 0) == 0.0
     with pytest.raises(ValueError, match="resume_depth"):
         m.flops_saved(10, 11)
-    with pytest.raises(ValueError, match="checkpoint_depth"):
-        m.resume_recompute_flops(11, 10)
-
-
-def test_flops_saved_per_byte_uses_node_tokens_not_path(qnext: ModelCostModel) -> None:
-    parent, node = 30_000, 30_512
-    score = qnext.flops_saved_per_byte(node, parent)
-    saved = qnext.prefill_flops(512, past_tokens=30_000)
-    nbytes = 512 * 24_576 + 77_266_944  # own KV + one checkpoint (NOT 30_512 tokens of KV)
-    assert qnext.node_bytes(512) == nbytes
-    assert score == saved / nbytes
-    # a deeper fallback checkpoint (sparse tree) -> more FLOPs saved by keeping the node
-    deeper = qnext.flops_saved_per_byte(node, parent, fallback_depth=20_000)
-    assert deeper > score
-    assert deeper == qnext.prefill_flops(10_512, past_tokens=20_000) / nbytes
-    # a node without a checkpoint saves nothing by itself, and costs only its KV
-    assert qnext.flops_saved_per_byte(node, parent, has_checkpoint=False) == 0.0
-    assert qnext.node_bytes(512, has_checkpoint=False) == 512 * 24_576
-    # same-length node deeper in the tree is worth more (attention sees more context)
-    assert qnext.flops_saved_per_byte(1512, 1000) < score
-    with pytest.raises(ValueError, match="parent_depth"):
-        qnext.flops_saved_per_byte(5, 6)
     with pytest.raises(ValueError, match="fallback_depth"):
-        qnext.flops_saved_per_byte(10, 5, fallback_depth=6)
+        m.node_flops_saved(10, 11)
+
+
+def test_node_flops_saved_grows_with_fallback_distance_and_depth(qnext: ModelCostModel) -> None:
+    parent, node = 30_000, 30_512
+    saved = qnext.node_flops_saved(node, parent)
+    assert saved == qnext.prefill_flops(512, past_tokens=30_000)
+    # a deeper fallback checkpoint (sparse tree) -> more FLOPs saved by keeping the node
+    deeper = qnext.node_flops_saved(node, 20_000)
+    assert deeper > saved and deeper == qnext.prefill_flops(10_512, past_tokens=20_000)
+    # same-length node deeper in the tree is worth more (attention sees more context)
+    assert qnext.node_flops_saved(1512, 1000) < saved
 
 
 def test_bad_token_counts(qnext: ModelCostModel) -> None:

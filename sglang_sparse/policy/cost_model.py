@@ -60,14 +60,13 @@ Resume semantics and Marconi
 ----------------------------
 When the engine matches KV up to depth ``d`` but the deepest recurrent checkpoint is at ``c < d``
 (SGLang ``MambaComponent`` semantics), it re-prefills tokens ``c..d`` through **all** layers;
-attention reuses KV only up to ``c``. Hence ``resume_recompute_flops(c, d) = prefill_flops(d - c,
-past_tokens=c)``. :meth:`ModelCostModel.recurrent_flops` is only the context-independent part
-(recurrent layers + all MLPs), a lower bound on that recompute.
+attention reuses KV only up to ``c``: ``prefill_flops(d - c, past_tokens=c)``
+(:meth:`ModelCostModel.node_flops_saved` with ``node_depth=d``, ``fallback_depth=c``).
 
 Marconi's reference implementation (``radix_cache_hybrid.py``) computes a node's MLP savings as
 ``mlp(total) - attn(parent)`` and charges the node the KV of its *whole path*. Here node savings are
 ``prefill_flops(node - fallback, past_tokens=fallback)`` (every block, with the right terms) and a node
-is charged only the KV of its *own* tokens plus its checkpoint (:meth:`ModelCostModel.node_bytes`).
+is charged only the KV of its *own* tokens plus its checkpoint.
 """
 
 from __future__ import annotations
@@ -140,8 +139,21 @@ class AttentionSpec:
         return 2 * self.num_kv_heads * self.head_dim
 
 
+class _RecurrentBlock:
+    """Formulas shared by :class:`GatedDeltaNetSpec` and :class:`Mamba2Spec`."""
+
+    def nonlinear_flops_per_token(self) -> int:
+        """Conv (``2*C*W``) + core (GDN ``7*Hv*K*V``, Mamba2 ``5*Hm*P*N``) FLOPs of ONE layer per token."""
+        return 2 * self.conv_dim * self.conv_kernel + self._core_flops * self.ssm_state_elements
+
+    @property
+    def conv_state_elements(self) -> int:
+        """Conv state elements of ONE layer: ``C*(W-1)``."""
+        return self.conv_dim * (self.conv_kernel - 1)
+
+
 @dataclass(frozen=True)
-class GatedDeltaNetSpec:
+class GatedDeltaNetSpec(_RecurrentBlock):
     """GatedDeltaNet (Qwen3-Next / Qwen3.5 ``linear_attention``) blocks; ``num_layers`` identical layers."""
 
     num_layers: int
@@ -152,6 +164,7 @@ class GatedDeltaNetSpec:
     conv_kernel: int
 
     kind = "gated_deltanet"
+    _core_flops = GDN_CORE_FLOPS_PER_STATE_ELEM
 
     @property
     def key_dim(self) -> int:
@@ -173,25 +186,14 @@ class GatedDeltaNetSpec:
         in_out = 2 * self.key_dim + 2 * self.value_dim + 2 * self.num_value_heads
         return hidden * in_out + self.value_dim * hidden
 
-    def nonlinear_flops_per_token(self) -> int:
-        """Conv (``2*C*W``) + delta-rule core (``7*Hv*K*V``) FLOPs of ONE layer per token."""
-        conv = 2 * self.conv_dim * self.conv_kernel
-        core = GDN_CORE_FLOPS_PER_STATE_ELEM * self.num_value_heads * self.key_head_dim * self.value_head_dim
-        return conv + core
-
     @property
     def ssm_state_elements(self) -> int:
         """Recurrent state elements of ONE layer: ``Hv*K*V``."""
         return self.num_value_heads * self.key_head_dim * self.value_head_dim
 
-    @property
-    def conv_state_elements(self) -> int:
-        """Conv state elements of ONE layer: ``C*(W-1)``."""
-        return self.conv_dim * (self.conv_kernel - 1)
-
 
 @dataclass(frozen=True)
-class Mamba2Spec:
+class Mamba2Spec(_RecurrentBlock):
     """Mamba2 (SSD) mixer blocks; ``num_layers`` identical layers."""
 
     num_layers: int
@@ -202,6 +204,7 @@ class Mamba2Spec:
     conv_kernel: int
 
     kind = "mamba2"
+    _core_flops = MAMBA2_CORE_FLOPS_PER_STATE_ELEM
 
     @property
     def inner_size(self) -> int:
@@ -218,21 +221,10 @@ class Mamba2Spec:
         in_out = 2 * self.inner_size + 2 * self.n_groups * self.state_size + self.num_heads
         return hidden * in_out + self.inner_size * hidden
 
-    def nonlinear_flops_per_token(self) -> int:
-        """Conv (``2*C*W``) + SSD core (``5*Hm*P*N``) FLOPs of ONE layer per token."""
-        conv = 2 * self.conv_dim * self.conv_kernel
-        core = MAMBA2_CORE_FLOPS_PER_STATE_ELEM * self.num_heads * self.head_dim * self.state_size
-        return conv + core
-
     @property
     def ssm_state_elements(self) -> int:
         """Recurrent state elements of ONE layer: ``Hm*P*N``."""
         return self.num_heads * self.head_dim * self.state_size
-
-    @property
-    def conv_state_elements(self) -> int:
-        """Conv state elements of ONE layer: ``C*(W-1)``."""
-        return self.conv_dim * (self.conv_kernel - 1)
 
 
 @dataclass(frozen=True)
@@ -344,14 +336,6 @@ class ModelCostModel:
         """Bytes of ONE recurrent checkpoint across all recurrent layers (SSM state + conv state)."""
         return self.ssm_state_bytes + self.conv_state_bytes
 
-    def node_bytes(self, n_kv_tokens: int, *, has_checkpoint: bool = True) -> int:
-        """Bytes a radix node holds: KV of its OWN ``n_kv_tokens`` tokens (+ one checkpoint if it has one).
-
-        Unlike Marconi, the KV of ancestors is not charged: evicting the node does not free it.
-        """
-        n = _count(n_kv_tokens, "n_kv_tokens")
-        return n * self.kv_bytes_per_token + (self.state_bytes if has_checkpoint else 0)
-
     # ---------------------------------------------------------------- compute (FLOPs)
 
     def _by_kind_int(self, n: int, past: int) -> dict[str, int]:
@@ -387,31 +371,6 @@ class ModelCostModel:
         past = _count(past_tokens, "past_tokens")
         return float(sum(self._by_kind_int(n, past).values()))
 
-    def recurrent_flops(self, n_tokens: int) -> float:
-        """Context-independent FLOPs for ``n_tokens`` tokens: recurrent layers (projections, conv, core)
-        plus the MLP/MoE blocks of ALL layers. Attention layers are excluded entirely.
-
-        This is a lower bound on resuming from a checkpoint ``n_tokens`` back; the engine's actual cost,
-        which also re-runs the attention layers, is :meth:`resume_recompute_flops`.
-        """
-        n = _count(n_tokens, "n_tokens")
-        parts = self._by_kind_int(n, 0)
-        return float(parts["recurrent"] + parts["mlp"])
-
-    def resume_recompute_flops(self, checkpoint_depth: int, matched_depth: int) -> float:
-        """FLOPs to resume from a recurrent checkpoint at ``checkpoint_depth`` tokens when the radix match
-        (KV) reaches ``matched_depth`` tokens.
-
-        SGLang ``MambaComponent`` semantics: the prefix is usable only up to the checkpoint, so tokens
-        ``checkpoint_depth..matched_depth`` are re-prefilled through ALL layers, attention attending to
-        the ``checkpoint_depth`` cached tokens: ``prefill_flops(d - c, past_tokens=c)``.
-        """
-        c = _count(checkpoint_depth, "checkpoint_depth")
-        d = _count(matched_depth, "matched_depth")
-        if c > d:
-            raise ValueError(f"checkpoint_depth ({c}) must be <= matched_depth ({d})")
-        return self.prefill_flops(d - c, past_tokens=c)
-
     def flops_saved(self, prefix_len: int, resume_depth: int) -> float:
         """FLOPs a cache hit saves when a ``prefix_len``-token prefix resumes at ``resume_depth`` tokens,
         versus prefilling the prefix from scratch.
@@ -435,40 +394,3 @@ class ModelCostModel:
         if fb > node:
             raise ValueError(f"fallback_depth ({fb}) must be <= node_depth ({node})")
         return self.prefill_flops(node - fb, past_tokens=fb)
-
-    def flops_saved_per_byte(
-        self,
-        node_depth: int,
-        parent_depth: int,
-        *,
-        fallback_depth: int | None = None,
-        has_checkpoint: bool = True,
-    ) -> float:
-        """Marconi-style eviction score in FLOPs per byte: FLOPs saved by keeping a node / bytes it holds.
-
-        The node covers tokens ``[parent_depth, node_depth)``. Numerator: :meth:`node_flops_saved`
-        with ``fallback_depth`` (default ``parent_depth``); zero if the node holds no checkpoint (a hit
-        then cannot resume inside it). Denominator: :meth:`node_bytes` of its own
-        ``node_depth - parent_depth`` tokens (+ checkpoint). Returns ``inf`` for savings with 0 bytes
-        and 0.0 when both are 0.
-        """
-        node = _count(node_depth, "node_depth")
-        parent = _count(parent_depth, "parent_depth")
-        if parent > node:
-            raise ValueError(f"parent_depth ({parent}) must be <= node_depth ({node})")
-        fb = parent if fallback_depth is None else _count(fallback_depth, "fallback_depth")
-        if fb > parent:
-            raise ValueError(f"fallback_depth ({fb}) must be <= parent_depth ({parent})")
-        saved = self.node_flops_saved(node, fb) if has_checkpoint else 0.0
-        nbytes = self.node_bytes(node - parent, has_checkpoint=has_checkpoint)
-        if nbytes == 0:
-            return float("inf") if saved > 0 else 0.0
-        return saved / nbytes
-
-    def describe(self) -> str:
-        """One-line human summary (layer counts, bytes)."""
-        return (
-            f"{self.model_type}: {self.num_layers} layers ({self.num_attention_layers} attention, "
-            f"{self.num_recurrent_layers} recurrent), kv {self.kv_bytes_per_token} B/token, "
-            f"state {self.state_bytes} B/checkpoint"
-        )

@@ -58,8 +58,7 @@ class CheckpointMap(dict):
     construct (two per insert); this ``dict`` subclass costs ~0.3 us. It implements the part of the
     ``SortedDict`` API the project uses: mapping operations, sorted iteration, ``keys()``/``values()``
     /``items()`` (sorted **lists**, i.e. snapshots, indexable), ``peekitem``/``popitem(index)``,
-    ``bisect_left``/``bisect_right``/``bisect``, ``index``, ``irange``. Invariant: ``self._keys ==
-    sorted(dict.keys(self))``.
+    ``bisect_left``/``bisect_right``. Invariant: ``self._keys == sorted(dict.keys(self))``.
     """
 
     __slots__ = ("_keys",)
@@ -129,9 +128,6 @@ class CheckpointMap(dict):
     def __iter__(self) -> Iterator[int]:
         return iter(self._keys)
 
-    def __reversed__(self) -> Iterator[int]:
-        return reversed(self._keys)
-
     def keys(self) -> list[int]:  # type: ignore[override]
         return list(self._keys)
 
@@ -152,29 +148,6 @@ class CheckpointMap(dict):
 
     def bisect_right(self, key: int) -> int:
         return bisect.bisect_right(self._keys, key)
-
-    bisect = bisect_right
-
-    def index(self, key: int) -> int:
-        i = bisect.bisect_left(self._keys, key)
-        if i == len(self._keys) or self._keys[i] != key:
-            raise ValueError(f"{key} is not in checkpoint map")
-        return i
-
-    def irange(
-        self,
-        minimum: int | None = None,
-        maximum: int | None = None,
-        inclusive: tuple[bool, bool] = (True, True),
-    ) -> Iterator[int]:
-        """Sorted keys in ``[minimum, maximum]`` (bounds per ``inclusive``; ``None`` = unbounded)."""
-        ks = self._keys
-        lo, hi = 0, len(ks)
-        if minimum is not None:
-            lo = (bisect.bisect_left if inclusive[0] else bisect.bisect_right)(ks, minimum)
-        if maximum is not None:
-            hi = (bisect.bisect_right if inclusive[1] else bisect.bisect_left)(ks, maximum)
-        return iter(ks[lo:hi])
 
     def __repr__(self) -> str:
         return f"CheckpointMap({dict(self.items())!r})"
@@ -235,10 +208,6 @@ class Node:
     @property
     def num_tokens(self) -> int:
         return len(self.key)
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
 
     @property
     def is_leaf(self) -> bool:
@@ -416,9 +385,9 @@ class CheckpointTree:
     Eviction index (for :mod:`sglang_sparse.policy.evict`; maintained by every mutating method,
     checked by :meth:`check`): :attr:`evictable_leaves` (unlocked leaves), :attr:`evictable_ckpt_nodes`
     (unlocked interior nodes with checkpoints), :meth:`lru_leaf` (min ``(last_access, uid)`` evictable
-    leaf, amortised O(log n)) and :meth:`iter_lru_leaves` (them in that order, lazily). An LRU leaf
-    evictor is ``while over budget: leaf = tree.lru_leaf(); freed.extend(tree.drop_leaf(leaf))``
-    (plus its merge step), never enumerating all nodes. :meth:`node_bytes` is O(1).
+    leaf, amortised O(log n)). An LRU leaf evictor is ``while over budget: leaf = tree.lru_leaf();
+    freed.extend(tree.drop_leaf(leaf))`` (plus its merge step), never enumerating all nodes.
+    :meth:`node_bytes` is O(1).
     """
 
     #: Whether every edge end is a divergence point (a branch point or where a sequence ended):
@@ -595,10 +564,17 @@ class CheckpointTree:
             raise ValueError(f"not a live leaf: {node!r}")
         if node.lock_ref > 0:
             raise ValueError(f"cannot evict locked {node!r}")
-        parent = node.parent
-        del parent.children[node.key.item(0)]
         freed = Freed(kv=[node.kv], states=list(node.checkpoints.values()), kv_tokens=node.num_tokens)
         freed.bytes = self.node_bytes(node)
+        self._unlink_leaf(node)
+        return freed
+
+    def _unlink_leaf(self, node: Node) -> None:
+        """Detach leaf ``node``: its KV and checkpoints leave the totals and the eviction index; the
+        listener hears :meth:`TreeListener.on_remove`. Shared by every leaf removal (eviction here,
+        the engine's in the mirror)."""
+        parent = node.parent
+        del parent.children[node.key.item(0)]
         self.kv_tokens -= node.num_tokens
         self.num_states -= len(node.checkpoints)
         self.num_nodes -= 1
@@ -606,12 +582,12 @@ class CheckpointTree:
         node.version += 1
         self.leaves.discard(node)
         self.evictable_leaves.discard(node)
+        self.evictable_ckpt_nodes.discard(node)
         if parent.parent is not None and not parent.children:
             self.leaves.add(parent)
-            self._sync_evictable(parent)
+        self._sync_evictable(parent)
         if self.listener is not None:
             self.listener.on_remove(node)
-        return freed
 
     def merge_with_child(self, node: Node) -> Node:
         """Merge a single-child, unlocked node into its child (Marconi). Frees nothing; the child
@@ -671,11 +647,6 @@ class CheckpointTree:
         leaf). This is the whole candidate search of an LRU (``alpha = 0``) leaf evictor.
         """
         return self.leaf_heap.first()
-
-    def iter_lru_leaves(self) -> Iterator[Node]:
-        """Evictable leaves in LRU order (``(last_access, uid)`` ascending), lazily: the first ``k``
-        cost O(k log k). Do not mutate the tree while iterating (collect first, then drop)."""
-        return self.leaf_heap.iter_lru()
 
     # ------------------------------------------------------------------ inspection
 

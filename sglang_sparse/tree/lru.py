@@ -5,13 +5,12 @@ A node's ``heap_key`` is the ``last_access`` of its newest entry, so a leaf whos
 changed is never pushed twice; entries of nodes that were touched again, locked, gained children or
 died stay in the heap until they surface (:meth:`LeafHeap.first` drops them) or until the heap
 outgrows twice the evictable leaves + 64 (:meth:`LeafHeap.compact`). Costs: push O(log n), first
-amortised O(log n), the first ``k`` of :meth:`LeafHeap.iter_lru` O(k log k).
+amortised O(log n).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
 from typing import Any, Protocol
 
 
@@ -77,18 +76,3 @@ class LeafHeap:
             if e[2].heap_key == e[0]:
                 e[2].heap_key = -1
         return None
-
-    def iter_lru(self) -> Iterator[Node]:
-        """Current entries' nodes in LRU order, lazily (a best-first walk of the heap array). The heap
-        must not change while iterating."""
-        heap = self.entries
-        if not heap:
-            return
-        frontier = [(heap[0], 0)]
-        while frontier:
-            e, i = heapq.heappop(frontier)
-            if self.valid(e):
-                yield e[2]
-            for c in (2 * i + 1, 2 * i + 2):
-                if c < len(heap):
-                    heapq.heappush(frontier, (heap[c], c))

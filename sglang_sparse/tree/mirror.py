@@ -200,22 +200,9 @@ class MirrorTree(CheckpointTree):
         parent = node.parent
         if parent.children.get(node.key.first) is not node:
             raise MirrorError(f"node {node_id} is not its parent's child")
-        del parent.children[node.key.first]
         del self.by_id[node.uid]
-        self.kv_tokens -= node.num_tokens
-        self.num_states -= len(node.checkpoints)
         self.state_ids.discard(node.uid)
-        self.num_nodes -= 1
-        node.alive = False
-        node.version += 1
-        self.leaves.discard(node)
-        self.evictable_leaves.discard(node)
-        self.evictable_ckpt_nodes.discard(node)
-        if parent.parent is not None and not parent.children:
-            self.leaves.add(parent)
-        self._sync_evictable(parent)
-        if self.listener is not None:
-            self.listener.on_remove(node)
+        self._unlink_leaf(node)
         self._changed(node, parent)
         return node
 

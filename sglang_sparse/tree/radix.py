@@ -124,21 +124,6 @@ class RadixTree(CheckpointTree):
             last = self.root
         return _make_match(d, ck_pos, last, ck_node, ck_handle, path, t, versions)
 
-    def kv_handles(self, match: MatchResult, depth: int | None = None) -> list[Any]:
-        """Per-edge KV handles covering tokens ``[0, depth)`` of a match (default ``resume_depth``)."""
-        depth = match.resume_depth if depth is None else depth
-        if not 0 <= depth <= match.kv_depth:
-            raise ValueError(f"depth {depth} outside [0, kv_depth={match.kv_depth}]")
-        out = []
-        for node in match.path:
-            if node.start >= depth:
-                break
-            if node.end <= depth:
-                out.append(node.kv)
-            else:
-                out.append(self.kv_ops.split(node.kv, depth - node.start)[0])
-        return out
-
     def insert(
         self,
         tokens: Tokens,

@@ -119,10 +119,6 @@ class TreeSnapshot:
         """Nodes including the root."""
         return len(self.parent)
 
-    def node_key(self, i: int) -> np.ndarray:
-        """Edge tokens of node ``i`` (a view into :attr:`keys`)."""
-        return self.keys[self.key_offsets[i] : self.key_offsets[i + 1]]
-
 
 class TreeSnapshotBuilder:
     """Builds a :class:`TreeSnapshot` node by node (parents before children), e.g. from an engine's
