@@ -20,7 +20,7 @@ Server requirements (checked end to end against a CPU server, see ``benchmarks/s
   message, token for token).
 
 :class:`ClientWorker` runs many benchmarks in one client process (importing the client takes
-~10 s on the 2-core machine, longer than a small run); :func:`run_client` runs one.
+~10 s on the 2-core machine, longer than a small run).
 """
 
 from __future__ import annotations
@@ -65,21 +65,6 @@ _LOOP = _STUB + (
 
 #: a chat template for the tiny word-level models: message contents joined by single spaces
 WORD_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
-
-METRIC_KEYS: tuple[str, ...] = (
-    "request_throughput",
-    "input_throughput",
-    "output_throughput",
-    "median_ttft_ms",
-    "p95_ttft_ms",
-    "p99_ttft_ms",
-    "median_itl_ms",
-    "p95_itl_ms",
-    "p99_itl_ms",
-    "completed",
-    "duration",
-)
-"""Client result fields kept in our tables (missing ones are reported as None)."""
 
 
 def client_command(
@@ -165,20 +150,8 @@ def _fresh(output_file: str | Path) -> Path:
     return out
 
 
-def run_client(output_file: str | Path, timeout: float = 1800.0, **kwargs: Any) -> dict[str, Any]:
-    """Run the client once (see :func:`client_command`) and return its result row (last JSONL
-    line), checked by :func:`check_row`. ``timeout`` in seconds."""
-    out = _fresh(output_file)
-    cmd = client_command(output_file=out, **kwargs)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    if proc.returncode != 0 or not out.exists():
-        tail = proc.stdout[-3000:] + proc.stderr[-3000:]
-        raise RuntimeError(f"bench client failed (rc={proc.returncode}):\n{tail}")
-    return check_row(_read_row(out))
-
-
 class ClientWorker:
-    """One long-lived client process running many benchmarks (same arguments as :func:`run_client`).
+    """One long-lived client process running many benchmarks (arguments: :func:`client_command`).
 
     The process imports ``sglang.benchmark.serving`` once and then runs ``cli_main`` once per
     :meth:`run` (the client re-seeds ``random``/``numpy`` from ``--seed`` on every run, so the
@@ -268,8 +241,3 @@ class ClientWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def summarize_row(row: dict[str, Any]) -> dict[str, Any]:
-    """The :data:`METRIC_KEYS` subset of a client row."""
-    return {k: row.get(k) for k in METRIC_KEYS}

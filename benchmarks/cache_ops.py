@@ -286,7 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         help="time SGLang's RadixCache (default: on, off with --quick since importing sglang+torch "
         "alone takes 10-25 s on this machine)",
     )
-    ap.add_argument("--list-input", action="store_true", help="(kept for compatibility; always on)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cache_ops.json")
     args = ap.parse_args(argv)
     ops = args.ops if args.ops is not None else (300 if args.quick else 2000)

@@ -18,27 +18,25 @@ import json
 import os
 import platform
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from scipy.stats import linregress
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_TOKENS = (256, 512, 1024, 2048, 3072, 4096)
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
-    """Least-squares ``y = a + b x``; returns a, b and R^2."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    b = sxy / sxx if sxx else 0.0
-    a = my - b * mx
-    ss_res = sum((y - (a + b * x)) ** 2 for x, y in zip(xs, ys, strict=True))
-    ss_tot = sum((y - my) ** 2 for y in ys)
-    r2 = 1.0 - ss_res / ss_tot if ss_tot else 1.0
-    return {"a_s": a, "b_s_per_token": b, "r2": r2}
+    """Least-squares ``y = a + b x`` (``scipy.stats.linregress``); returns a, b and R^2 (a single
+    x value: the flat line through the mean, R^2 1)."""
+    if len(set(xs)) < 2:
+        return {"a_s": sum(ys) / len(ys), "b_s_per_token": 0.0, "r2": 1.0}
+    fit = linregress(xs, ys)
+    return {"a_s": float(fit.intercept), "b_s_per_token": float(fit.slope), "r2": float(fit.rvalue**2)}
 
 
 def analyze(result: dict[str, Any]) -> None:
@@ -52,10 +50,8 @@ def analyze(result: dict[str, Any]) -> None:
     med: dict[str, float] = {}
     mins: dict[str, float] = {}
     for n in lengths:
-        vals = sorted(m["seconds"] for m in ms if m["tokens"] == n)
-        half = len(vals) // 2
-        med[str(n)] = vals[half] if len(vals) % 2 else 0.5 * (vals[half - 1] + vals[half])
-        mins[str(n)] = vals[0]
+        vals = [m["seconds"] for m in ms if m["tokens"] == n]
+        med[str(n)], mins[str(n)] = statistics.median(vals), min(vals)
     result["median_by_tokens"] = med
     result["min_by_tokens"] = mins
     result["fit"] = linear_fit([float(m["tokens"]) for m in ms], [m["seconds"] for m in ms])

@@ -53,6 +53,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,24 +94,17 @@ def load_requests(
     ]
 
 
-#: ``name -> (extra args, env, state strategy)``; ``native`` / ``native_eb`` are the baselines of
-#: their strategy (see :func:`baseline_of`).
-Config = tuple[list[str], dict[str, str], str]
+#: ``name -> (extra args, env, state strategy)`` (:data:`benchmarks.serving_load.CONFIGS`'s
+#: shape); ``native`` / ``native_eb`` are the baselines of their strategy (see :func:`baseline_of`).
+Config = tuple[Sequence[str], dict[str, str], str]
 
 
 def configs(quick: bool) -> dict[str, Config]:
-    sparse = ["--radix-cache-backend", "sparse"]
-    c: dict[str, Config] = {
-        "nocache": (["--disable-radix-cache"], {}, "no_buffer"),
-        "native": ([], {}, "no_buffer"),
-        "native_eb": ([], {}, "extra_buffer"),
-        "sparse": (sparse, {"SGLANG_SPARSE_POLICY": "sparse"}, "extra_buffer"),
-    }
-    if not quick:
-        c["sparse_nb"] = (sparse, {"SGLANG_SPARSE_POLICY": "sparse"}, "no_buffer")
-        c["marconi"] = (sparse, {"SGLANG_SPARSE_POLICY": "marconi"}, "extra_buffer")
-        c["lru"] = (sparse, {"SGLANG_SPARSE_POLICY": "lru"}, "extra_buffer")
-    return c
+    """The slices' configurations, as :data:`benchmarks.serving_load.CONFIGS` defines them."""
+    from benchmarks.serving_load import CONFIGS
+
+    names = ["nocache", "native", "native_eb", "sparse"] + ([] if quick else ["sparse_nb", "marconi", "lru"])
+    return {n: CONFIGS[n] for n in names}
 
 
 def baseline_of(strategy: str) -> str:
@@ -179,14 +173,9 @@ def ideal_prefilled(prompts: list[list[int]]) -> int:
     """Lower bound on the tokens any prefix cache must prefill for ``prompts`` replayed in order:
     an unbounded cache with a state at every position reuses each prompt's longest common prefix
     with any earlier prompt (at least the last token is always computed)."""
-    from sglang_sparse.tree import RadixTree
+    from benchmarks.serving_load import prefix_accounting
 
-    tree = RadixTree(1, 1)
-    total = 0
-    for p in prompts:
-        total += len(p) - min(tree.match(p).kv_depth, len(p) - 1)
-        tree.insert(p)
-    return total
+    return prefix_accounting(prompts, prompts)["perfect_prefilled"]
 
 
 def _cumulative_prefilled(rows: list[dict]) -> list[int]:
@@ -312,13 +301,9 @@ HICACHE_MARGIN, HICACHE_ALIGN, HICACHE_MIN_STATES, HICACHE_MIN_RATIO = 64, 64, 8
 def footprint_tokens(requests: list[list[int]]) -> int:
     """KV footprint of a slice in tokens: what an unbounded prefix cache holds after the slice (every
     distinct prefix counted once: the tokens of a radix tree of all ``requests``)."""
-    from sglang_sparse.tree import RadixTree
+    from benchmarks.serving_load import prefix_accounting
 
-    tree = RadixTree(1, 1)
-    for p in requests:
-        if p:
-            tree.insert(p)
-    return int(tree.kv_tokens)
+    return prefix_accounting(requests, requests)["footprint_tokens"]
 
 
 def hicache_sizing(

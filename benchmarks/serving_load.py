@@ -527,6 +527,65 @@ def server_args(config: str, chunk: int, chat_template: Path) -> list[str]:
     ]
 
 
+def make_server(
+    model_dir: Path,
+    config: str,
+    pools: dict[str, Any],
+    *,
+    chunk: int,
+    context: int,
+    chat_template: Path,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    extra: Sequence[str] = (),
+) -> Any:
+    """An unstarted server of ``config`` (its strategy's CPU flags with the tokenizer on, its flags
+    and environment, then ``extra`` / ``env``) with the workload's ``pools``."""
+    from sglang_sparse.testing.server import SGLangServer, strategy_setup
+
+    flags, config_env, strategy = CONFIGS[config_base(config)]
+    base, strategy_env = strategy_setup(strategy)
+    return SGLangServer(
+        model_dir,
+        extra_args=[*server_args(config, chunk, chat_template), *extra],
+        env={
+            "SGLANG_SPARSE_LOG_EVERY": os.environ.get("SGLANG_SPARSE_LOG_EVERY", "0"),
+            **strategy_env,
+            **config_env,
+            **(env or {}),
+        },
+        base_args=[a for a in base if a != "--skip-tokenizer-init"],
+        max_total_tokens=pools["max_total_tokens"],
+        max_mamba_cache_size=pools["max_mamba_cache_size"],
+        context_length=context,
+        log_path=log_path,
+    )
+
+
+def start_all(servers: dict[str, Any], hint: str = "pass fewer --configs") -> None:
+    """Start ``servers`` (name -> unstarted server) concurrently; all or none (a failure stops the
+    started ones and raises with every failure). Refuses up front when the machine lacks the memory
+    (:data:`SERVER_RSS_GB` each)."""
+    need = len(servers) * SERVER_RSS_GB + 1.0
+    avail = mem_available_gb()
+    if avail < need:
+        raise SystemExit(
+            f"error: {len(servers)} servers need ~{need:.0f} GB, {avail:.1f} GB available; {hint}"
+        )
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as ex:
+        futs = {c: ex.submit(s.start, 900.0) for c, s in servers.items()}
+        errors = []
+        for c, f in futs.items():
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001 - reported below with every failure
+                errors.append(f"{c}: {str(exc)[:3000]}")
+    if errors:
+        for s in servers.values():
+            s.stop()
+        raise RuntimeError("server start failed:\n" + "\n".join(errors))
+
+
 def start_servers(
     model_dir: Path,
     configs: Sequence[str],
@@ -538,50 +597,15 @@ def start_servers(
     log_dir: Path,
     tag: str,
 ) -> dict[str, Any]:
-    """Start one server per configuration, concurrently; all or none (stops the started ones)."""
-    from sglang_sparse.testing.server import SGLangServer, strategy_setup
-
-    need = len(configs) * SERVER_RSS_GB + 1.0
-    avail = mem_available_gb()
-    if avail < need:
-        raise SystemExit(
-            f"error: {len(configs)} servers need ~{need:.0f} GB, {avail:.1f} GB available; "
-            "pass fewer --configs"
-        )
-
-    def setup(c: str) -> tuple[list[str], dict[str, str]]:
-        base, env = strategy_setup(CONFIGS[config_base(c)][2])
-        return [a for a in base if a != "--skip-tokenizer-init"], env
-
+    """Start one server per configuration (:func:`make_server`, :func:`start_all`)."""
     servers = {
-        c: SGLangServer(
-            model_dir,
-            extra_args=server_args(c, chunk, chat_template),
-            env={
-                "SGLANG_SPARSE_LOG_EVERY": os.environ.get("SGLANG_SPARSE_LOG_EVERY", "0"),
-                **setup(c)[1],
-                **CONFIGS[config_base(c)][1],
-            },
-            base_args=setup(c)[0],
-            max_total_tokens=pools["max_total_tokens"],
-            max_mamba_cache_size=pools["max_mamba_cache_size"],
-            context_length=context,
-            log_path=log_dir / f"{tag}_{c}.log",
+        c: make_server(
+            model_dir, c, pools,
+            chunk=chunk, context=context, chat_template=chat_template, log_path=log_dir / f"{tag}_{c}.log",
         )
         for c in configs
-    }
-    with concurrent.futures.ThreadPoolExecutor(len(servers)) as ex:
-        futs = {c: ex.submit(s.start, 900.0) for c, s in servers.items()}
-        errors = []
-        for c, f in futs.items():
-            try:
-                f.result()
-            except Exception as exc:  # noqa: BLE001 - reported below with every failure
-                errors.append(f"{c}: {exc}")
-    if errors:
-        for s in servers.values():
-            s.stop()
-        raise RuntimeError("server start failed:\n" + "\n".join(errors))
+    }  # fmt: skip
+    start_all(servers)
     return servers
 
 

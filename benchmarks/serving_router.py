@@ -50,7 +50,6 @@ Outputs: ``benchmarks/results/serving_router.json`` and ``.png`` (prefilled toke
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import os
 import shlex
 import signal
@@ -67,22 +66,22 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.serving_load import (  # noqa: E402 - after the sys.path fix for script use
     CONFIGS,
-    SERVER_RSS_GB,
     Workload,
     add_workload_arguments,
     build_agent,
     build_custom,
     config_base,
+    flush,
+    make_server,
     rotated,
-    server_args,
     size_pools,
+    start_all,
     text_mismatches,
 )
 from benchmarks.stats import (  # noqa: E402
     Spread,
     fmt_ratio,
     fmt_spread,
-    mem_available_gb,
     ratio_spread,
     spread,
 )
@@ -125,41 +124,6 @@ def cell_name(config: str, policy: str) -> str:
 
 
 # ----------------------------------------------------------------------------- workers
-def make_worker(
-    model_dir: Path,
-    config: str,
-    pools: dict[str, Any],
-    *,
-    chunk: int,
-    context: int,
-    chat_template: Path,
-    cores: str,
-    log_path: Path,
-    extra: Sequence[str] = (),
-) -> Any:
-    """An (unstarted) server of ``config`` with ``--enable-metrics``, the tokenizer on, the
-    workload's pools and its compute bound to ``cores`` (``SGLANG_CPU_OMP_THREADS_BIND``: replicas
-    do not share cores, as on separate GPUs; SGLang's CPU backend otherwise gives each all cores)."""
-    from sglang_sparse.testing.server import SGLangServer, strategy_setup
-
-    base, env = strategy_setup(CONFIGS[config_base(config)][2])
-    return SGLangServer(
-        model_dir,
-        extra_args=[*server_args(config, chunk, chat_template), "--enable-metrics", *extra],
-        env={
-            "SGLANG_SPARSE_LOG_EVERY": "0",
-            "SGLANG_CPU_OMP_THREADS_BIND": cores,
-            **env,
-            **CONFIGS[config_base(config)][1],
-        },
-        base_args=[a for a in base if a != "--skip-tokenizer-init"],
-        max_total_tokens=pools["max_total_tokens"],
-        max_mamba_cache_size=pools["max_mamba_cache_size"],
-        context_length=context,
-        log_path=log_path,
-    )
-
-
 def start_workers(
     model_dir: Path,
     configs: Sequence[str],
@@ -172,50 +136,34 @@ def start_workers(
     log_dir: Path,
     tag: str,
 ) -> dict[str, list[Any]]:
-    """``n`` servers per configuration, started concurrently with ``--enable-metrics``, worker ``i``
-    bound to core ``i`` (mod the machine's cores); all or none."""
-    need = len(configs) * n * SERVER_RSS_GB + 1.0
-    if mem_available_gb() < need:
-        raise SystemExit(
-            f"error: {len(configs) * n} workers need ~{need:.0f} GB; pass fewer --configs/--workers"
-        )
+    """``n`` servers per configuration with ``--enable-metrics``, started concurrently, all or none
+    (:func:`~benchmarks.serving_load.start_all`). Worker ``i``'s compute is bound to core ``i`` (mod
+    the machine's cores; ``SGLANG_CPU_OMP_THREADS_BIND``): replicas do not share cores, as on
+    separate GPUs (SGLang's CPU backend otherwise gives each all cores)."""
     cpus = os.cpu_count() or 1
     workers = {
         c: [
-            make_worker(
+            make_server(
                 model_dir, c, pools,
                 chunk=chunk, context=context, chat_template=chat_template,
-                cores=str(i % cpus), log_path=log_dir / f"router_{tag}_{c}_w{i}.log",
+                log_path=log_dir / f"router_{tag}_{c}_w{i}.log",
+                env={"SGLANG_CPU_OMP_THREADS_BIND": str(i % cpus)}, extra=["--enable-metrics"],
             )
             for i in range(n)
         ]
         for c in configs
     }  # fmt: skip
-    every = [s for ws in workers.values() for s in ws]
-    with concurrent.futures.ThreadPoolExecutor(len(every)) as ex:
-        futs = [ex.submit(s.start, 900.0) for s in every]
-        errors = []
-        for f in futs:
-            try:
-                f.result()
-            except Exception as exc:  # noqa: BLE001 - all failures reported together
-                errors.append(str(exc)[:3000])
-    if errors:
-        for s in every:
-            s.stop()
-        raise RuntimeError("worker start failed:\n" + "\n".join(errors))
+    start_all(
+        {f"{c} w{i}": s for c, ws in workers.items() for i, s in enumerate(ws)},
+        "pass fewer --configs/--workers",
+    )
     return workers
 
 
-def flush_all(workers: Sequence[Any], tries: int = 40) -> None:
+def flush_all(workers: Sequence[Any]) -> None:
     """``/flush_cache`` on every worker (retried while requests drain)."""
     for w in workers:
-        for _ in range(tries):
-            if w.flush_cache():
-                break
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"/flush_cache kept failing on {w.url}")
+        flush(w, tries=40)
 
 
 def counters(workers: Sequence[Any]) -> list[dict[str, float] | None]:
@@ -828,10 +776,11 @@ def dp_size_topology(
     bind = "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.dp_size))
     with ClientWorker() as client:
         for c in [c for c in args.configs.split(",") if c]:
-            srv = make_worker(
+            srv = make_server(
                 model_dir, c, pools,
-                chunk=args.chunk, context=context, chat_template=template, cores=bind,
-                log_path=args.work_dir / f"dp_{c}.log", extra=("--dp-size", str(args.dp_size)),
+                chunk=args.chunk, context=context, chat_template=template,
+                log_path=args.work_dir / f"dp_{c}.log", env={"SGLANG_CPU_OMP_THREADS_BIND": bind},
+                extra=("--enable-metrics", "--dp-size", str(args.dp_size)),
             )  # fmt: skip
             try:
                 srv.start(timeout=900)
