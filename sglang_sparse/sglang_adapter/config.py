@@ -1,92 +1,12 @@
 """Options of the ``sparse`` radix-cache backend: one validated source, environment and/or JSON.
 
 Sources, later wins: built-in defaults < ``SGLANG_SPARSE_CONFIG=/path.json`` (an object whose keys
-are the option names below, lower case, without the prefix) < individual ``SGLANG_SPARSE_*``
+are the option names, lower case, without the prefix) < individual ``SGLANG_SPARSE_*``
 variables. Every value is validated when the scheduler builds the cache (the backend factory), so
 a bad value aborts server start-up with a :class:`SparseConfigError` naming the variable.
 
-=================================  =========  ==============================================
-variable (JSON key)                default    meaning
-=================================  =========  ==============================================
-``SGLANG_SPARSE_POLICY``            sparse     policy name from ``sglang_sparse.policy.POLICY_NAMES``
-(``policy``)                                   (simulator-only ``oracle`` is rejected)
-``SGLANG_SPARSE_EDGE_BUDGET``       4          per-edge checkpoint budget ``M`` of the DP plan (int >= 0)
-(``edge_budget``)
-``SGLANG_SPARSE_GAMMA``             0.99       decay of the per-edge depth histograms, in (0, 1]
-(``gamma``)
-``SGLANG_SPARSE_REFRESH``           10         re-plan an edge every N observations (int >= 1)
-(``refresh``)
-``SGLANG_SPARSE_ALPHA``             auto       FLOP-aware eviction weight: number >= 0, or ``auto``
-(``alpha``)                                    (bootstrap with 0, tune by replay, Marconi sec. 4.2);
-                                               must be 0/auto for non-FLOP-aware policies
-``SGLANG_SPARSE_GRID``              auto       grid of candidate state positions (int >= 1). Auto: the
-(``grid``)                                     state grid SGLang snapshots on, ``lcm(64, --page-size)``
-                                               (64 with no_buffer); with extra_buffer an explicit value
-                                               must be a multiple of it
-``SGLANG_SPARSE_BRANCH_GRID``       auto       grid the Marconi branch point (where a request splits an edge)
-(``branch_grid``)                              is aligned down to (int >= 1, a multiple of --page-size).
-                                               Auto: ``grid``. A finer value (the page size: the exact
-                                               divergence) needs ``capture=forward`` or no_buffer on
-                                               extra_buffer; the ``grid`` point below an exact branch is
-                                               then kept on probation (requests that diverge a few tokens
-                                               earlier resume there). Opt-in, mostly superseded: the
-                                               per-edge DP already plans the exact divergence a request
-                                               creates when that edge's depths want it (the same figures
-                                               on the 60-request slices); this also moves Marconi's branch
-``SGLANG_SPARSE_TAIL_GRID``         auto       where the tail prior puts a new leaf's positions (int >= 1,
-(``tail_grid``)                                a multiple of --page-size): below ``grid`` they sit at the
-                                               predicted divergence depths (aligned to it), not on the
-                                               ``grid`` below them (same number of states). Auto: the page
-                                               size with ``capture=forward`` (a state there is a copy),
-                                               else ``grid`` (on the cut path each is one more forward).
-                                               A finer value needs ``capture=forward`` or no_buffer on
-                                               extra_buffer
-``SGLANG_SPARSE_MIN_CUT_GAIN``      auto       engine cost of a capture inside a prefill, in tokens: a
-(``min_cut_gain``)                             planned position is skipped when it lies fewer tokens after
-                                               the resume point or the previous capture (each one costs an
-                                               extra forward on the chunk-cut path; 0 = capture them all).
-                                               Default: 0 with ``capture=forward``, 32 with ``cut``
-``SGLANG_SPARSE_TUNE_WINDOW``       200        requests per alpha-tuning window (int >= 1)
-(``tune_window``)
-``SGLANG_SPARSE_RETUNE``            0          1: re-tune alpha whenever a window's hit rate drifts by more
-(``retune``)                                   than 5 points (0: tune once, on the first window, as
-                                               Marconi; see ``sglang_sparse.policy.tuner``)
-``SGLANG_SPARSE_LOG_EVERY``         100        log a stats line every N finished requests (0: off)
-(``log_every``)
-``SGLANG_SPARSE_PROBATION``         2          first-sight states per new leaf kept on *probation* (int >= 0):
-(``probation``)                                placed by a DP over the prefix depths seen so far plus a
-                                               uniform hedge, evicted before every other state, promoted
-                                               when a request resumes from one (``sparse`` policy; the
-                                               unplanned finish state is kept on probation too). 0: none
-``SGLANG_SPARSE_CHECK_INVARIANTS``  0          1: after every checkpoint and eviction, check that the policy's
-(``check_invariants``)                         mirror equals SGLang's tree (O(nodes) each; for tests and
-                                               debugging); violations are logged and counted in the stats
-``SGLANG_SPARSE_CAPTURE``           forward    how planned positions strictly inside a prefill extend are
-(``capture``)                                  captured: ``forward`` writes their states during the forward
-                                               into reserved state slots (no cut; CPU kernel shim only: by
-                                               default other devices fall back to ``cut``, an explicit
-                                               ``forward`` there is an error); ``cut`` ends the prefill
-                                               chunk there (one more forward each; no_buffer checkpoints
-                                               the chunk end)
-``SGLANG_SPARSE_HOST_BANDWIDTH``    measured   HiCache only: host-to-device copy bandwidth, bytes/s (> 0),
-(``host_bandwidth``)                           with which a host hit's load is charged (``HostCost``).
-                                               Default: measured at start-up (median of 5 copies of
-                                               8 MiB from host memory, pinned where the device has
-                                               pinned memory; on the CPU a memcpy), and logged
-``SGLANG_SPARSE_DEVICE_FLOPS``      measured   HiCache only: prefill FLOP/s of the device (> 0): converts
-(``device_flops``)                             a load's seconds into the prefill FLOPs it costs
-                                               (``bytes * device_flops / host_bandwidth``). Default:
-                                               measured at start-up on the same device as the
-                                               bandwidth (median of 3 timed square matmuls), logged
-``SGLANG_SPARSE_HOST_COST``         1          HiCache only: 1 = a FLOP-aware policy values a state net of
-(``host_cost``)                                its expected load (the host's share of the logical cache x
-                                               the load of the state and its KV); 0 = as without a host
-``SGLANG_SPARSE_DEMOTE``            lru        HiCache only: which device states / KV leaves the device
-(``demote``)                                   walks evict first (write-back: backed up to the host, then
-                                               freed; write-through: the host already has a copy).
-                                               ``lru``: SGLang's LRU walks; ``policy``: the policy's
-                                               eviction order, as without HiCache
-=================================  =========  ==============================================
+The options, their defaults, units and meaning are one table, ``docs/sparse_backend.md`` (*Options*);
+:class:`SparseConfig`'s fields are those options, named as their JSON keys.
 
 This module has no SGLang import (it is unit-testable without the serving stack).
 """
