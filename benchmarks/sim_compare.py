@@ -59,7 +59,7 @@ from sglang_sparse.sim.bound import headroom_bound, reuse_profile  # noqa: E402
 FULL_FRACS = (0.05, 0.1, 0.2, 0.3, 0.5)
 QUICK_FRACS = (0.1, 0.3)
 DEFAULT_TRACES = ("doc_qa", "system_prompts", "agent", "rag")
-DEFAULT_POLICIES = tuple(p for p in POLICY_NAMES if p != "sparse_law") + PUBLISHED_NAMES + OFFLINE_POLICIES
+DEFAULT_POLICIES = tuple(POLICY_NAMES) + PUBLISHED_NAMES + OFFLINE_POLICIES
 #: reference policies with knowledge of the whole trace: never a loss of ``sparse``
 REFERENCES = ("oracle", *OFFLINE_POLICIES)
 

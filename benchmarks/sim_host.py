@@ -27,8 +27,8 @@ from sglang_sparse.policy import POLICY_NAMES
 from sglang_sparse.policy.host_tier import HostTierConfig
 from sglang_sparse.sim import simulate
 
-#: policies with a host-tier model (the registry's; ``sparse_law`` is experimental)
-HOST_POLICIES = tuple(p for p in POLICY_NAMES if p != "sparse_law")
+#: policies with a host-tier model (the registry's)
+HOST_POLICIES = POLICY_NAMES
 #: references that know the whole trace (``oracle``'s per-edge law): reported, never a loss
 REFERENCES = ("oracle",)
 

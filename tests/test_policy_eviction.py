@@ -48,11 +48,11 @@ KV_B, STATE_B = 1, 4
 # Every eviction config of the registry, and both recency modes for every candidate scope.
 _REGISTRY = {p.eviction for p in POLICIES.values()}
 _EXTRA = {
-    EvictionConfig(node_states=ns, ckpt_scope=scope, ckpt_recency=rec, value=val, drop_unservable=du)
+    EvictionConfig(node_states=ns, ckpt_scope=scope, ckpt_recency=rec, drop_unservable=du)
     for ns in (True, False)
     for scope in ("none", "interior", "all")
     for rec in ("node", "own")
-    for val, du in (("marconi", True), ("law", False))
+    for du in (True, False)
 }
 # Decayed recency (recency_scale, ticks) on every per-checkpoint-clock config.
 _DECAYED = {replace(c, recency_scale=3.0) for c in _EXTRA if c.ckpt_recency == "own"}
@@ -61,7 +61,7 @@ _DECAYED = {replace(c, recency_scale=3.0) for c in _EXTRA if c.ckpt_recency == "
 _CHAINED = {
     replace(c, chain_recency=True, superseded_demotion=d)
     for c in _DECAYED
-    if c.ckpt_scope != "none" and c.value == "marconi"
+    if c.ckpt_scope != "none"
     for d in (0.0, 5.0)
 }
 CONFIGS = sorted(_REGISTRY | _EXTRA | _DECAYED | _CHAINED, key=repr)
@@ -345,7 +345,7 @@ def run_ops(w: Workload, ops: list[tuple]) -> None:
     "cfg",
     CONFIGS,
     ids=lambda c: (
-        f"{c.node_states}-{c.ckpt_scope}-{c.ckpt_recency}-{c.value}-{c.drop_unservable}-{c.recency_scale}"
+        f"{c.node_states}-{c.ckpt_scope}-{c.ckpt_recency}-{c.drop_unservable}-{c.recency_scale}"
         + (f"-chain{c.superseded_demotion:g}" if c.chain_recency else "")
     ),
 )
@@ -526,7 +526,7 @@ def test_invalidate_after_direct_field_writes() -> None:
     assert freed_key(a) == freed_key(b) and a.states == ["b"]
 
 
-@pytest.mark.parametrize("name", ["sparse", "marconi", "sglang_native", "sparse_law"])
+@pytest.mark.parametrize("name", ["sparse", "marconi", "sglang_native", "sparse_dp"])
 def test_index_is_incremental(name: str) -> None:
     """Through insert / observe / lock / unlock / evict the index never rescans or rebuilds (both are
     O(n)); only eviction primitives called from outside (or an alpha > 0 after alpha = 0) do."""

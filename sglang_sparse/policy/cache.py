@@ -216,7 +216,6 @@ class HybridCache:
             capacity_bytes=self.budget_bytes,
             probation=self.probation,
             chains=self.chains,
-            plans=self.plans,
         )
 
     # ------------------------------------------------------------------ flat snapshot

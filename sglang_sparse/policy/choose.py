@@ -175,7 +175,6 @@ output tokens; positions ``<= len(input)`` are captured during prefill, deeper o
 * ``block``: every multiple of ``block`` tokens (vLLM-style, independent of the tree).
 * ``dp``: the DP plans of the edges on the matched path
   (:meth:`~.choose.PlanTable.planned_captures`), plus the last-token state.
-* ``dp_marconi``: union of ``dp`` and ``marconi``.
 * ``sparse`` (the product): ``dp`` on the matched path + the Marconi branch point + the positions a
   learned :class:`~sglang_sparse.policy.choose.TailPrior` chooses on the new leaf
   ``(kv_depth, total_len]`` (which includes the last-token state only when requests do continue
@@ -805,7 +804,7 @@ class ChainTracker:
         return len(dead)
 
 
-ADMISSIONS = ("marconi", "block", "dp", "dp_marconi", "sparse")
+ADMISSIONS = ("marconi", "block", "dp", "sparse")
 #: observations the tail prior needs before it plans (until then ``sparse`` admits the last token)
 TAIL_WARMUP = 2
 
@@ -887,10 +886,10 @@ def capture_positions(
     else:
         if total_len > 0:
             pos.add(total_len)
-        if kind in ("marconi", "dp_marconi"):
+        if kind == "marconi":
             b = marconi_branch_point(match, input_len, bgrid)
             if b is not None:
                 pos.add(b)
-        if kind in ("dp", "dp_marconi"):
+        if kind == "dp":
             pos.update(plans.planned_captures(tree, match))
     return sorted(p for p in pos if lo < p <= total_len)

@@ -53,12 +53,9 @@ hit rate at 5 / 10 / 20 / 30 / 50% of the footprint, alpha tuned): 0.104 / 0.241
 the other three traces at these sizes, whose decisions are unchanged (with a host tier, a logical
 cache several times larger, a few form on doc_qa).
 
-Efficiency is FLOPs saved per byte:
-
-* ``value="marconi"``: each checkpoint at ``c`` saves ``prefill_flops(c - f, past=f)`` per hit, ``f``
-  the next checkpoint up the path (the cost model's :meth:`node_flops_saved`).
-* ``value="law"``: that, multiplied by ``1 + w`` where ``w`` is the edge-law mass the checkpoint
-  serves (depths in ``[c, next checkpoint)`` on its edge): an observed-frequency estimate.
+Efficiency is FLOPs saved per byte (Marconi's): each checkpoint at ``c`` saves
+``prefill_flops(c - f, past=f)`` per hit, ``f`` the next checkpoint up the path (the cost model's
+:meth:`node_flops_saved`).
 
 Candidates exposed during a round (a parent becoming a leaf) are scored with the round's
 normalisation constants (and its ``now``). Single-child checkpoint-free unlocked nodes left
@@ -99,8 +96,8 @@ O(n) Python scoring.
 What a candidate's raw terms depend on (``node`` = the node holding it):
 
 * ``node`` itself: liveness, lock, children count, edge ``(start, end]``, checkpoint positions,
-  ``last_access``, ``ckpt_access``, its depth histogram (``value="law"``), its membership in the
-  tree's eviction index (``evictable_leaves`` / ``evictable_ckpt_nodes``);
+  ``last_access``, ``ckpt_access``, its membership in the tree's eviction index
+  (``evictable_leaves`` / ``evictable_ckpt_nodes``);
 * its online session (:mod:`.choose`; ``Evictor.chain_terms``, part of the signature below):
   ``node.chain`` and that chain's due tick, ``seq_end``, and whether its only child is on the same
   chain. A chain's due tick changes only when a request continues the chain, and every node of the
@@ -163,8 +160,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from sglang_sparse.tree import CheckpointTree, Freed, Node
-
-from .choose import PlanTable
 
 if TYPE_CHECKING:
     from .choose import ChainTracker
@@ -454,7 +449,7 @@ class CandidateIndex:
         not the terms."""
         ev = self.ev
         c = ev.config
-        terms = (c.node_states, c.ckpt_scope, c.ckpt_recency, c.value, c.drop_unservable)
+        terms = (c.node_states, c.ckpt_scope, c.ckpt_recency, c.drop_unservable)
         return (ev.tree, terms, ev.cost, ev.capacity_bytes)
 
     def _params_changed(self) -> bool:
@@ -463,8 +458,8 @@ class CandidateIndex:
 
     def _needs_refresh(self, node: Node, info: _Info, inherited: int) -> bool:
         """Whether ``node``'s rows may differ from the ones computed at its last refresh. False only
-        when nothing they depend on changed: same signature and inherited fallback, and neither a
-        ``last_access`` the rows read nor a depth histogram the values read (``value="law"``). This
+        when nothing they depend on changed: same signature and inherited fallback, and no
+        ``last_access`` the rows read. This
         is what spares the interior nodes of a long path whose only change is the recency every
         request writes on its whole path (``observe``)."""
         ev = self.ev
@@ -475,8 +470,6 @@ class CandidateIndex:
         ):
             return True
         cfg = self.ev.config
-        if self.values_on and cfg.value == "law":
-            return True
         if node.last_access == info.last:
             return False
         children, ck = node.children, node.checkpoints
@@ -842,7 +835,6 @@ class EvictionConfig:
     node_states: bool = True
     ckpt_scope: str = "none"  # "none" | "interior" | "all"
     ckpt_recency: str = "node"  # "node" | "own"
-    value: str = "marconi"  # "marconi" | "law"
     drop_unservable: bool = False  # evict candidates no request can ever resume from first
     recency_scale: float | None = None  # decayed recency time scale (ticks); None = min-max (Marconi)
     chain_recency: bool = False  # candidates on an online session: recency from its due tick
@@ -859,8 +851,6 @@ class EvictionConfig:
             raise ValueError(f"ckpt_scope must be none|interior|all, got {self.ckpt_scope!r}")
         if self.ckpt_recency not in ("node", "own"):
             raise ValueError(f"ckpt_recency must be node|own, got {self.ckpt_recency!r}")
-        if self.value not in ("marconi", "law"):
-            raise ValueError(f"value must be marconi|law, got {self.value!r}")
 
 
 class ScoredCandidate(NamedTuple):
@@ -898,7 +888,6 @@ class CandidateTerms:
         capacity_bytes: int | None = None,
         probation: Mapping[Any, int] | None = None,
         chains: ChainTracker | None = None,
-        plans: PlanTable | None = None,
     ):
         if alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
@@ -919,8 +908,6 @@ class CandidateTerms:
         #: online sessions (shared with the owner): with ``config.chain_recency`` a candidate on a
         #: chain takes its recency from the chain's due tick (:func:`~.evict.effective_recency`)
         self.chains = chains
-        #: the per-edge depth laws (shared with the owner; read by ``value='law'``; ``None``: empty)
-        self.plans = PlanTable() if plans is None else plans
 
     def _unservable(self, pos: int) -> bool:
         """Whether a checkpoint at depth ``pos`` can never be resumed from: its path KV plus the
@@ -933,19 +920,11 @@ class CandidateTerms:
     # ------------------------------------------------------------------ values
 
     def _ckpt_flops(self, node: Node, pos: int, fb: int | None = None) -> float:
-        """FLOPs saved by the checkpoint at ``pos`` per hit (times ``1 + law mass`` for ``value='law'``).
-        ``fb``: the fallback depth (``tree.fallback_depth(node, pos)``) when the caller knows it."""
+        """FLOPs saved by the checkpoint at ``pos`` per hit. ``fb``: the fallback depth
+        (``tree.fallback_depth(node, pos)``) when the caller knows it."""
         if fb is None:
             fb = self.tree.fallback_depth(node, pos)
-        per_hit = self.cost.node_flops_saved(pos, fb)
-        if self.config.value == "marconi":
-            return per_hit
-        d, w = self.plans.edge_law(node, self.tree)
-        ck = node.checkpoints
-        i = ck.bisect_right(pos)
-        nxt = ck.peekitem(i)[0] if i < len(ck) else None
-        served = float(w[(d >= pos) & ((d < nxt) if nxt is not None else True)].sum()) if d.size else 0.0
-        return per_hit * (1.0 + served)
+        return self.cost.node_flops_saved(pos, fb)
 
     def chain_clock(self) -> ChainClock | None:
         """The chain part of a round starting now (``None`` without ``config.chain_recency``)."""

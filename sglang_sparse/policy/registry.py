@@ -26,8 +26,6 @@ sparse         DP plan on the path + Marconi branch   per component (leaves whol
                                                       overdue ones age out), superseded states
                                                       (older turns): their own recency set
                                                       back 2 tau
-sparse_law     DP plan + Marconi                      recency + alpha * law-weighted FLOPs/byte,
-                                                      thins interior checkpoints (experimental)
 oracle         as sparse, per-edge law = the whole    as sparse (simulator only: needs a law
                trace's true overlap depths            provider)
 =============  =====================================  ==============================================
@@ -75,7 +73,7 @@ class PolicySpec:
     description: str = ""
 
 
-_MARCONI_EVICT = EvictionConfig(node_states=True, ckpt_scope="none", ckpt_recency="node", value="marconi")
+_MARCONI_EVICT = EvictionConfig(node_states=True, ckpt_scope="none", ckpt_recency="node")
 # The product default evicts per component (every checkpoint by its own recency as a resume point,
 # leaves whole, as SGLang's MambaComponent does) plus Marconi's FLOP-aware term. Measured on the
 # traces: node-level recency keeps obsolete interior states of live agent sessions (every turn walks
@@ -99,13 +97,11 @@ _SPARSE_EVICT = EvictionConfig(
     node_states=False,
     ckpt_scope="all",
     ckpt_recency="own",
-    value="marconi",
     drop_unservable=True,
     recency_scale=SPARSE_RECENCY_SCALE,
     chain_recency=True,
     superseded_demotion=SPARSE_SUPERSEDED_DEMOTION,
 )
-SPARSE_LAW_EVICT = EvictionConfig(node_states=True, ckpt_scope="interior", ckpt_recency="own", value="law")
 
 POLICIES: dict[str, PolicySpec] = {
     p.name: p
@@ -138,7 +134,6 @@ POLICIES: dict[str, PolicySpec] = {
             flop_aware=True,
             description="product default",
         ),
-        PolicySpec("sparse_law", "dp_marconi", SPARSE_LAW_EVICT, flop_aware=True, description="experimental"),
         PolicySpec(
             "oracle",
             "sparse",
