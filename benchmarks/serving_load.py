@@ -277,17 +277,16 @@ FULL_DEFAULTS: dict[str, Any] = dict(
     agent_sessions=6,
     agent_turns=8,
 )
-QUICK_DEFAULTS: dict[str, Any] = dict(
-    workloads="doc_qa",
-    configs="native_eb,native,sparse,nocache",
-    reps=3,
-    requests=16,
-    rates="4",
-    agent_rates="1",
-    max_concurrency=4,
-    agent_sessions=3,
-    agent_turns=6,
-)
+QUICK_DEFAULTS: dict[str, Any] = {
+    **FULL_DEFAULTS,
+    "workloads": "doc_qa",
+    "configs": "native_eb,native,sparse,nocache",
+    "requests": 16,
+    "rates": "4",
+    "agent_rates": "1",
+    "agent_sessions": 3,
+    "agent_turns": 6,
+}
 
 
 def rotated(names: Sequence[str], offset: int) -> list[str]:
@@ -511,6 +510,25 @@ def build_agent(
             "lengths": lens,
         },
     )
+
+
+def make_workload(
+    name: str,
+    requests: int,
+    *,
+    target_len: int,
+    seed: int,
+    agent_sessions: int = 0,
+    agent_turns: int = 0,
+    agent_target_len: int = 1024,
+    start: int = 0,
+    **common: Any,
+) -> Workload:
+    """:func:`build_agent` (``agent_*``) for ``agent``, else :func:`build_custom`; ``common``: both's
+    ``output_len``, ``context``, ``vocab`` and ``work``."""
+    if name == "agent":
+        return build_agent(agent_sessions, agent_turns, target_len=agent_target_len, **common)
+    return build_custom(name, requests, target_len=target_len, seed=seed, start=start, **common)
 
 
 # ----------------------------------------------------------------------------- servers
@@ -780,6 +798,19 @@ def sequential_outputs(srv: Any, wl: Workload) -> list[list[int]]:
             outs.append(ids)
             prompt = prompt + [t for t in ids if t >= 4]
     return outs
+
+
+def sequential_mismatches(
+    configs: Sequence[str], outputs: Callable[[str], list[list[int]]]
+) -> dict[str, Any]:
+    """Requests, and per configuration but ``nocache`` the requests compared and mismatched:
+    ``outputs(config)`` (:func:`sequential_outputs`) against ``outputs("nocache")`` (called first)."""
+    ref = outputs("nocache")
+    bad = {c: sum(a != b for a, b in zip(outputs(c), ref, strict=True)) for c in configs if c != "nocache"}
+    return {
+        "requests": len(ref),
+        "configs": {c: {"compared": len(ref), "mismatched": n} for c, n in bad.items()},
+    }
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -1094,29 +1125,9 @@ def run_load(
     context = spec.max_position_embeddings
     chat_template = write_word_chat_template(work_dir / "word_chat_template.jinja")
 
-    wls: dict[str, Workload] = {}
-    for w in workloads:
-        if w == "agent":
-            wls[w] = build_agent(
-                agent_sessions,
-                agent_turns,
-                target_len=agent_target_len,
-                output_len=output_len,
-                context=context,
-                vocab=spec.vocab_size,
-                work=work_dir,
-            )
-        else:
-            wls[w] = build_custom(
-                w,
-                requests,
-                target_len=target_len,
-                output_len=output_len,
-                context=context,
-                vocab=spec.vocab_size,
-                seed=seed,
-                work=work_dir,
-            )
+    common = dict(output_len=output_len, context=context, vocab=spec.vocab_size, work=work_dir, seed=seed)
+    agent = dict(agent_sessions=agent_sessions, agent_turns=agent_turns, agent_target_len=agent_target_len)
+    wls = {w: make_workload(w, requests, target_len=target_len, **agent, **common) for w in workloads}
     points = {w: rate_points(agent_rates if w == "agent" else rates, max_concurrency) for w in workloads}
     total = sum(reps * len(points[w]) * len(configs) for w in workloads)
     bar = None
@@ -1206,16 +1217,10 @@ def run_load(
                         )
                     ):
                         log(f"[serving_load] {w}: sequential greedy equality pass")
-                        ref = sequential_outputs(servers["nocache"], wl)
-                        seq_eq = {"requests": len(ref), "configs": {}}
-                        for c in configs:
-                            if c == "nocache":
-                                continue
-                            got = sequential_outputs(servers[c], wl)
-                            seq_eq["configs"][c] = {
-                                "compared": len(ref),
-                                "mismatched": sum(a != b for a, b in zip(got, ref, strict=True)),
-                            }
+                        seq_eq = sequential_mismatches(
+                            configs,
+                            lambda c: sequential_outputs(servers[c], wl),  # noqa: B023 - called at once
+                        )
                 finally:
                     for s in servers.values():
                         s.stop()
@@ -1264,8 +1269,30 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def add_workload_arguments(ap: argparse.ArgumentParser, output_len: int) -> None:
-    """The workload-shrinking and pool-sizing flags shared with ``benchmarks.serving_router``."""
+def add_workload_arguments(
+    ap: argparse.ArgumentParser,
+    name: str,
+    full: dict[str, Any],
+    quick: dict[str, Any],
+    *,
+    output_len: int,
+    reps_help: str | None = None,
+    seed_help: str = "client seed (default %(default)s)",
+    work_help: str = "datasets, logs, client output",
+    timeout_help: str = "seconds per client run (default %(default)s)",
+) -> None:
+    """The flags shared by this module and ``benchmarks.serving_router`` (``name``): workloads (all
+    in ``full``) and their sizes (the help quotes ``full`` and ``quick``), shrinking, pool sizing,
+    model and output paths."""
+
+    def fq(key: str) -> str:
+        return f"full {full[key]}, quick {quick[key]}"
+
+    ap.add_argument("--workloads", help=f"comma list of {full['workloads']} (full: all)")
+    ap.add_argument("--reps", type=int, help=reps_help or f"interleaved repetitions ({fq('reps')})")
+    ap.add_argument("--requests", type=int, help=f"requests per single-turn workload ({fq('requests')})")
+    ap.add_argument("--agent-sessions", type=int, help=f"agent sessions ({fq('agent_sessions')})")
+    ap.add_argument("--agent-turns", type=int, help=f"turns per agent session ({fq('agent_turns')})")
     ap.add_argument(
         "--target-len", type=int, default=768, help="median shrunk prompt, tokens (default %(default)s)"
     )
@@ -1296,6 +1323,36 @@ def add_workload_arguments(ap: argparse.ArgumentParser, output_len: int) -> None
     ap.add_argument(
         "--chunk", type=int, default=512, help="--chunked-prefill-size, tokens (default %(default)s)"
     )
+    ap.add_argument("--seed", type=int, default=0, help=seed_help)
+    ap.add_argument("--size", default="tiny", help="tiny-model size preset (default %(default)s)")
+    ap.add_argument("--model-dir", type=Path, help="model checkpoint dir (default <work-dir>/model_<size>)")
+    ap.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(f"/tmp/sglang_sparse_{name}"),
+        help=work_help + " (default %(default)s)",
+    )
+    ap.add_argument("--out", type=Path, help=f"JSON path (default benchmarks/results[/quick]/{name}.json)")
+    ap.add_argument("--client-timeout", type=float, default=1800.0, help=timeout_help)
+
+
+def parse_run_args(
+    ap: argparse.ArgumentParser,
+    argv: list[str] | None,
+    name: str,
+    full: dict[str, Any],
+    quick: dict[str, Any],
+) -> tuple[argparse.Namespace, Path, str]:
+    """``argv`` parsed, the flags left unset taken from ``quick`` (``--quick``) or ``full``; the
+    JSON path (``--out`` or ``benchmarks/results[/quick]/<name>.json``) and the command line."""
+    from benchmarks._common import results_dir
+
+    args = ap.parse_args(argv)
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    out = args.out or results_dir(args.quick) / f"{name}.json"
+    return args, out, f"python -m benchmarks.{name} " + shlex.join(argv if argv is not None else sys.argv[1:])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1311,7 +1368,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="README main-job size (4-6 min): doc_qa; native,sparse,lru,nocache; 16 requests; "
         "rate 4/s + cap 4; 3 repetitions; JSON/PNG under benchmarks/results/quick/",
     )
-    ap.add_argument("--workloads", help=f"comma list of {','.join(WORKLOADS)} (full: all)")
     ap.add_argument(
         "--configs",
         help=f"comma list of {','.join(CONFIGS)} (full: all but sparse_cut); NAME#2 starts a second "
@@ -1320,10 +1376,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--baselines", default="native_eb,native,lru,marconi", help="ratio denominators (default %(default)s)"
     )
-    ap.add_argument("--reps", type=int, help="interleaved repetitions per cell (default 3)")
-    ap.add_argument("--requests", type=int, help="requests per single-turn workload (full 24, quick 16)")
-    ap.add_argument("--agent-sessions", type=int, help="agent sessions (full 6, quick 3)")
-    ap.add_argument("--agent-turns", type=int, help="turns per agent session (full 8, quick 6)")
     ap.add_argument("--rates", help="Poisson request rates, req/s, comma list (full 2,4,8; quick 4)")
     ap.add_argument(
         "--agent-rates", help="Poisson session rates for agent, sessions/s (full 0.5,1,2; quick 1)"
@@ -1333,7 +1385,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="add a load point with all requests at once capped at N in flight (full and quick 4; 0 = none)",
     )
-    add_workload_arguments(ap, output_len=16)
     ap.add_argument("--spread", choices=("minmax", "iqr"), default="minmax", help="spread over repetitions")
     ap.add_argument(
         "--equality",
@@ -1341,35 +1392,26 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="sequential greedy equality pass: auto = only if load-run outputs differ (default)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="client seed: dataset order and Poisson arrivals")
-    ap.add_argument("--size", default="tiny", help="tiny-model size preset (default %(default)s)")
-    ap.add_argument("--model-dir", type=Path, help="model checkpoint dir (default <work-dir>/model_<size>)")
-    ap.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path("/tmp/sglang_sparse_serving_load"),
-        help="datasets, server logs, client output (default %(default)s)",
+    add_workload_arguments(
+        ap,
+        "serving_load",
+        FULL_DEFAULTS,
+        QUICK_DEFAULTS,
+        output_len=16,
+        reps_help="interleaved repetitions per cell (default 3)",
+        seed_help="client seed: dataset order and Poisson arrivals",
+        work_help="datasets, server logs, client output",
+        timeout_help="seconds per client run",
     )
-    ap.add_argument(
-        "--out", type=Path, help="JSON path (default benchmarks/results[/quick]/serving_load.json)"
-    )
-    ap.add_argument("--client-timeout", type=float, default=1800.0, help="seconds per client run")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks._common import results_dir, write_json
+    from benchmarks._common import write_json
 
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    d = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
-    for k, v in d.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    out = args.out or results_dir(args.quick) / "serving_load.json"
+    args, out, command = parse_run_args(build_parser(), argv, "serving_load", FULL_DEFAULTS, QUICK_DEFAULTS)
     configs = [c for c in args.configs.split(",") if c]
     baselines = [b for b in args.baselines.split(",") if b]
-    command = "python -m benchmarks.serving_load " + shlex.join(argv if argv is not None else sys.argv[1:])
     head = {
         "command": command,
         "quick": args.quick,

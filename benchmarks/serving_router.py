@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -68,12 +67,13 @@ from benchmarks.serving_load import (  # noqa: E402 - after the sys.path fix for
     CONFIGS,
     Workload,
     add_workload_arguments,
-    build_agent,
-    build_custom,
     config_base,
     flush,
     make_server,
+    make_workload,
+    parse_run_args,
     rotated,
+    sequential_mismatches,
     size_pools,
     start_all,
     text_mismatches,
@@ -99,16 +99,15 @@ FULL_DEFAULTS: dict[str, Any] = dict(
     agent_turns=6,
     fault=True,
 )
-QUICK_DEFAULTS: dict[str, Any] = dict(
-    workloads="doc_qa",
-    configs="nocache,native_eb,sparse",
-    policies="cache_aware,round_robin",
-    reps=1,
-    requests=16,
-    agent_sessions=3,
-    agent_turns=4,
-    fault=False,
-)
+QUICK_DEFAULTS: dict[str, Any] = {
+    **FULL_DEFAULTS,
+    "workloads": "doc_qa",
+    "reps": 1,
+    "requests": 16,
+    "agent_sessions": 3,
+    "agent_turns": 4,
+    "fault": False,
+}
 
 #: the pairs the acceptance compares (subject, reference): (config, policy)
 COMPARISONS: tuple[tuple[tuple[str, str], tuple[str, str]], ...] = (
@@ -121,6 +120,13 @@ COMPARISONS: tuple[tuple[tuple[str, str], tuple[str, str]], ...] = (
 
 def cell_name(config: str, policy: str) -> str:
     return f"{config}+{policy}"
+
+
+def workload_of(args: argparse.Namespace, name: str, context: int, vocab: int, start: int = 0) -> Workload:
+    """:func:`benchmarks.serving_load.make_workload` sized by the command line."""
+    keys = "requests target_len output_len seed agent_sessions agent_turns agent_target_len".split()
+    sizes = {k: getattr(args, k) for k in keys}
+    return make_workload(name, context=context, vocab=vocab, work=args.work_dir, start=start, **sizes)
 
 
 # ----------------------------------------------------------------------------- workers
@@ -585,27 +591,7 @@ def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = prin
     with ClientWorker() as client:
         client.start()
         for w in workloads:
-            if w == "agent":
-                wl = build_agent(
-                    args.agent_sessions,
-                    args.agent_turns,
-                    target_len=args.agent_target_len,
-                    output_len=args.output_len,
-                    context=context,
-                    vocab=spec.vocab_size,
-                    work=work,
-                )
-            else:
-                wl = build_custom(
-                    w,
-                    args.requests,
-                    target_len=args.target_len,
-                    output_len=args.output_len,
-                    context=context,
-                    vocab=spec.vocab_size,
-                    seed=args.seed,
-                    work=work,
-                )
+            wl = workload_of(args, w, context, spec.vocab_size)
             pools = size_pools(wl.accounting, args.pool_fraction, args.min_running)
             log(
                 f"[serving_router] {w}: starting {len(configs)} x {args.workers} workers (per worker KV "
@@ -659,17 +645,7 @@ def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = prin
                     seq = sequential_equality(workers, configs, wl, work)
                 if args.fault and w == workloads[0] and "sparse" in workers:
                     later = (
-                        build_custom(
-                            w,
-                            args.requests,
-                            target_len=args.target_len,
-                            output_len=args.output_len,
-                            context=context,
-                            vocab=spec.vocab_size,
-                            seed=args.seed,
-                            work=work,
-                            start=args.requests,
-                        )
+                        workload_of(args, w, context, spec.vocab_size, start=args.requests)
                         if wl.dataset == "custom"
                         else wl
                     )
@@ -733,16 +709,11 @@ def sequential_equality(
     from benchmarks.serving_load import sequential_outputs
     from sglang_sparse.testing.router import Router
 
-    outs = {}
-    for c in configs:
+    def outputs(c: str) -> list[list[int]]:
         with Router([s.url for s in workers[c]], "round_robin", log_path=work / "router_seq.log") as r:
-            outs[c] = sequential_outputs(RoutedGenerator(r.url, workers[c]), wl)
-    ref = outs["nocache"]
-    return {
-        c: {"compared": len(ref), "mismatched": sum(a != b for a, b in zip(o, ref, strict=True))}
-        for c, o in outs.items()
-        if c != "nocache"
-    }
+            return sequential_outputs(RoutedGenerator(r.url, workers[c]), wl)
+
+    return sequential_mismatches(configs, outputs)["configs"]
 
 
 def dp_size_topology(
@@ -760,16 +731,7 @@ def dp_size_topology(
 
     if workload == "agent":
         return {"skipped": "dp-size topology runs a single-turn workload"}
-    wl = build_custom(
-        workload,
-        args.requests,
-        target_len=args.target_len,
-        output_len=args.output_len,
-        context=context,
-        vocab=vocab,
-        seed=args.seed,
-        work=args.work_dir,
-    )
+    wl = workload_of(args, workload, context, vocab)
     pools = size_pools(wl.accounting, args.pool_fraction, args.min_running)
     out: dict[str, Any] = {"dp_size": args.dp_size, "workload": workload, "configs": {}}
     texts: dict[str, list[str]] = {}
@@ -831,7 +793,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="smoke size: doc_qa, 16 requests, 1 repetition, no fault run; JSON under "
         "benchmarks/results/quick/",
     )
-    ap.add_argument("--workloads", help=f"comma list of {','.join(WORKLOADS)} (full: all)")
     ap.add_argument(
         "--configs",
         help=f"worker configurations, comma list of {','.join(CONFIGS)} (full: nocache,native_eb,sparse)",
@@ -840,17 +801,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies", help=f"routing policies, comma list of {','.join(POLICIES)} (default: both)"
     )
     ap.add_argument("--workers", type=int, default=2, help="workers per configuration (default %(default)s)")
-    ap.add_argument("--reps", type=int, help="interleaved repetitions (full 3, quick 1)")
-    ap.add_argument("--requests", type=int, help="requests per single-turn workload (full 24, quick 16)")
-    ap.add_argument("--agent-sessions", type=int, help="agent sessions (full 4, quick 3)")
-    ap.add_argument("--agent-turns", type=int, help="turns per agent session (full 6, quick 4)")
     ap.add_argument(
         "--max-concurrency",
         type=int,
         default=4,
         help="requests in flight through the router (default %(default)s)",
     )
-    add_workload_arguments(ap, output_len=8)
     ap.add_argument(
         "--fault",
         action=argparse.BooleanOptionalAction,
@@ -863,33 +819,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="also run one server with --dp-size N per config (0: skip; default)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="client seed (default %(default)s)")
-    ap.add_argument("--size", default="tiny", help="tiny-model size preset (default %(default)s)")
-    ap.add_argument("--model-dir", type=Path, help="model checkpoint dir (default <work-dir>/model_<size>)")
-    ap.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path("/tmp/sglang_sparse_serving_router"),
-        help="datasets, logs, client output (default %(default)s)",
-    )
-    ap.add_argument(
-        "--out", type=Path, help="JSON path (default benchmarks/results[/quick]/serving_router.json)"
-    )
-    ap.add_argument(
-        "--client-timeout", type=float, default=1800.0, help="seconds per client run (default %(default)s)"
-    )
+    add_workload_arguments(ap, "serving_router", FULL_DEFAULTS, QUICK_DEFAULTS, output_len=8)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks._common import results_dir, write_json
+    from benchmarks._common import write_json
 
-    args = build_parser().parse_args(argv)
-    for k, v in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    out = args.out or results_dir(args.quick) / "serving_router.json"
-    command = "python -m benchmarks.serving_router " + shlex.join(argv if argv is not None else sys.argv[1:])
+    args, out, command = parse_run_args(build_parser(), argv, "serving_router", FULL_DEFAULTS, QUICK_DEFAULTS)
     doc = {"command": command, **run_router_bench(args)}
     path = write_json(out.stem, doc, out.parent)
     plot(doc, out.with_suffix(".png"))

@@ -45,9 +45,9 @@ if str(ROOT) not in sys.path:
 from benchmarks.serving_load import (  # noqa: E402
     CONFIGS,
     aa_pairs,
-    build_custom,
     config_base,
     flush,
+    make_workload,
     rotated,
     size_pools,
     start_servers,
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     model_dir = make_tiny_model(work / "model_tiny", arch="qwen3_next", size="tiny", seed=0)
     spec = SIZES["tiny"]
-    wl = build_custom(
+    wl = make_workload(
         args.workload,
         args.requests,
         target_len=args.target_len,
