@@ -64,6 +64,7 @@ if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
 from benchmarks._common import table  # noqa: E402
+from benchmarks.stats import latency_us as stats  # noqa: E402
 from sglang_sparse.policy import HybridCache  # noqa: E402
 from sglang_sparse.sim import cost_model  # noqa: E402
 from sglang_sparse.tree import RadixTree  # noqa: E402
@@ -90,11 +91,6 @@ def build_paths(rng: np.random.Generator) -> list[tuple[np.ndarray, int]]:
 def ckpts_for(q: np.ndarray, doc_end: int) -> dict[int, int]:
     """Checkpoints of a build insert: the last token and the last 64-token page of the document."""
     return {len(q): 0, (doc_end // 64) * 64: 0}
-
-
-def stats(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs) * 1e6
-    return {"median_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99)), "n": len(xs)}
 
 
 def merge_if_chain(tree: Any, parent: Any) -> None:

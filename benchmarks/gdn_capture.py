@@ -56,6 +56,8 @@ import torch.nn.functional as F  # noqa: E402
 from sglang_sparse_kernels.gdn_capture import chunk_gdn_fwd_capture, naive_recurrent_gdn  # noqa: E402
 from sglang_sparse_kernels.sgl_kernel_cpu import chunk_gated_delta_rule  # noqa: E402
 
+from benchmarks._common import table  # noqa: E402
+
 CHUNK = 64
 OVERHEAD_TARGET = {"T": 16384, "captures": 4, "max_overhead_pct": 2.0}
 
@@ -232,21 +234,16 @@ def run_capture_overhead(
         f"state pool; H={H}, HV={HV}, K={K}, V={V}, fp32, torch threads {torch.get_num_threads()})"
     )
     hdr = (
-        f"{'T':>6} {'caps':>4} {'rounds':>6} {'plain min s':>11} {'cap min s':>9} {'ovh% min':>8} "
-        f"{'plain med s':>11} {'cap med s':>9} {'ovh% med':>8} {'ovh% pair':>9} {'copy %':>7} "
-        f"{'A/A% min':>8} {'A/A% med':>8} {'cpu ovh%':>8} {'A/A cpu%':>8}"
+        "T|caps|rounds|plain min s|cap min s|ovh% min|plain med s|cap med s|ovh% med|ovh% pair|copy %|"
+        "A/A% min|A/A% med|cpu ovh%|A/A cpu%"
     )
-    print(hdr)
-    print("-" * len(hdr))
-    for c in cells:
-        print(
-            f"{c['T']:>6} {c['captures']:>4} {c['rounds']:>6} {c['plain_min_s']:>11.4f} "
-            f"{c['capture_min_s']:>9.4f} {c['overhead_min_pct']:>8.2f} {c['plain_median_s']:>11.4f} "
-            f"{c['capture_median_s']:>9.4f} {c['overhead_median_pct']:>8.2f} "
-            f"{c['overhead_paired_median_pct']:>9.2f} {c['copy_pct']:>7.3f} "
-            f"{c['aa_noise_min_pct']:>8.2f} {c['aa_noise_median_pct']:>8.2f} "
-            f"{c['overhead_cpu_min_pct']:>8.2f} {c['aa_noise_cpu_min_pct']:>8.2f}"
-        )
+    row = (  # one cell per space-separated field
+        "{T} {captures} {rounds} {plain_min_s:.4f} {capture_min_s:.4f} {overhead_min_pct:.2f} "
+        "{plain_median_s:.4f} {capture_median_s:.4f} {overhead_median_pct:.2f} "
+        "{overhead_paired_median_pct:.2f} {copy_pct:.3f} {aa_noise_min_pct:.2f} {aa_noise_median_pct:.2f} "
+        "{overhead_cpu_min_pct:.2f} {aa_noise_cpu_min_pct:.2f}"
+    )
+    print(table([row.format(**c).split() for c in cells], hdr.split("|")))
     target = next(
         (c for c in cells if c["T"] == OVERHEAD_TARGET["T"] and c["captures"] == OVERHEAD_TARGET["captures"]),
         None,
@@ -407,28 +404,20 @@ def main(argv: list[str] | None = None) -> dict:
             )
         rows.append(row)
 
-    def f(x: float | None, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
-
-    hdr = (
-        f"{'T':>6} {'chunk s':>8} {'+sparse s':>9} {'ovh %':>6} {'+all s':>7} {'ovh %':>6} "
-        f"{'naive s':>8} {'speedup':>7} {'err o':>9} {'err S_T':>9} {'err caps':>9}"
-    )
+    hdr = "T|chunk s|+sparse s|ovh %|+all s|ovh %|naive s|speedup|err o|err S_T|err caps".split("|")
+    # one cell per space-separated field; the naive ones are all set or all None
+    row = "{T} {chunk_s:.3f} {chunk_sparse_s:.3f} {overhead_sparse_pct:.1f} {chunk_all_s:.3f} "
+    row += "{overhead_all_pct:.1f}"
+    naive = " {naive_s:.2f} {speedup_vs_naive:.1f} {err_o:.2e} {err_final:.2e} {err_states:.2e}"
     print(
         f"GDN chunk forward with state capture  (B=1, H={H}, HV={HV}, K={K}, V={V}, fp32, chunk {CHUNK}, "
         f"sparse = every {args.sparse_every} chunks, torch threads {torch.get_num_threads()})"
     )
-    print(hdr)
-    print("-" * len(hdr))
+    cells = [(row + (naive if r["naive_s"] is not None else " - - - - -")).format(**r).split() for r in rows]
+    print(table(cells, hdr))
     for r in rows:
-        print(
-            f"{r['T']:>6} {r['chunk_s']:>8.3f} {r['chunk_sparse_s']:>9.3f} {r['overhead_sparse_pct']:>6.1f} "
-            f"{r['chunk_all_s']:>7.3f} {r['overhead_all_pct']:>6.1f} {f(r['naive_s'], '8.2f'):>8} "
-            f"{f(r['speedup_vs_naive'], '7.1f'):>7} {f(r['err_o'], '9.2e'):>9} "
-            f"{f(r['err_final'], '9.2e'):>9} {f(r['err_states'], '9.2e'):>9}"
-        )
         if r["naive_note"]:
-            print(f"       naive {r['naive_note']}")
+            print(f"T={r['T']}: naive {r['naive_note']}")
     print("times: min over interleaved repeats; ovh % = capture overhead vs chunk without capture")
     overhead = run_capture_overhead(
         args.overhead_ts, args.overhead_captures, tuple(args.heads), args.overhead_repeats

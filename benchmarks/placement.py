@@ -90,6 +90,7 @@ from sglang_sparse.policy import HybridCache, ModelCostModel
 from sglang_sparse.policy.evict import CKPT
 from sglang_sparse.sim.models import cost_model
 from sglang_sparse.tree import Node, as_tokens
+from sglang_sparse.tree.lcp import lcp_numpy
 
 from ._common import REPO, progress, pyplot, table, write_json
 
@@ -110,12 +111,8 @@ FLOP-aware; with alpha = 0 its eviction ranking does not read it)."""
 
 
 def lcp(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two token arrays."""
-    n = min(a.size, b.size)
-    if n == 0:
-        return 0
-    neq = np.flatnonzero(a[:n] != b[:n])
-    return int(neq[0]) if neq.size else n
+    """Length of the longest common prefix of two token arrays (any integer dtype)."""
+    return lcp_numpy(a, b, 0)
 
 
 @dataclass

@@ -71,6 +71,7 @@ if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
 from benchmarks._common import results_dir, table  # noqa: E402
+from benchmarks.stats import latency_us as stats  # noqa: E402
 
 #: name -> (radix cache backend, extra environment)
 CONFIGS: dict[str, tuple[str | None, dict[str, str]]] = {
@@ -550,20 +551,6 @@ def eviction_walks(b: Built, n: int) -> dict[str, Any]:
             )
     res["nodes_after"] = count_nodes(cache)
     return res
-
-
-def stats(xs: list[float]) -> dict[str, float]:
-    """Median / p90 / p99 / mean in microseconds."""
-    if not xs:
-        return {"median_us": 0.0, "p90_us": 0.0, "p99_us": 0.0, "mean_us": 0.0, "n": 0}
-    a = np.asarray(xs) * 1e6
-    return {
-        "median_us": float(np.median(a)),
-        "p90_us": float(np.percentile(a, 90)),
-        "p99_us": float(np.percentile(a, 99)),
-        "mean_us": float(a.mean()),
-        "n": len(xs),
-    }
 
 
 # ---------------------------------------------------------------------- one configuration

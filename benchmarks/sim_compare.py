@@ -36,7 +36,7 @@ from tqdm import tqdm
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import REPO, pyplot, results_dir  # noqa: E402
+from benchmarks._common import REPO, pyplot, results_dir, table  # noqa: E402
 from benchmarks.sim_host import HOST_POLICIES, host_sweep  # noqa: E402
 from sglang_sparse.policy import POLICY_NAMES, PUBLISHED_NAMES  # noqa: E402
 from sglang_sparse.policy.host_tier import (  # noqa: E402
@@ -421,7 +421,7 @@ def _plot(tname: str, rows: list[dict], bounds: list[dict], policies: list[str],
 def _table(results: dict, policies: list[str]) -> None:
     for tname, tr in results["traces"].items():
         print(f"\n== {tname} ({tr['requests']} requests, footprint {tr['footprint_bytes'] / 2**30:.1f} GiB)")
-        print(f"{'size GiB':>9} " + " ".join(f"{p:>22}" for p in policies))
+        rows = []
         for frac in results["fracs"]:
             rs = {r["policy"]: r for r in tr["rows"] if r["frac"] == frac}
             size = next(iter(rs.values()))["cache_bytes"] / 2**30
@@ -430,7 +430,8 @@ def _table(results: dict, policies: list[str]) -> None:
                 f"{rs[p]['recomputed_tokens'] / 1e3:.0f}k"
                 for p in policies
             ]
-            print(f"{size:9.1f} " + " ".join(f"{c:>22}" for c in cells))
+            rows.append([f"{size:.1f}", *cells])
+        print(table(rows, ["size GiB", *policies]))
     print("\ncells: token hit rate / FLOPs saved fraction / recomputed recurrent tokens")
 
 
@@ -441,15 +442,15 @@ def _headroom_table(results: dict, policies: list[str]) -> None:
         if not head:
             continue
         print(f"\n== {tname}: share of the headroom bound (hit tokens / FLOPs saved)")
-        print(f"{'frac':>5} {'bound hit':>9} " + " ".join(f"{p[:13]:>13}" for p in policies))
+        rows = []
         for frac in results["fracs"]:
             rs = {r["policy"]: r for r in tr["rows"] if r["frac"] == frac}
-            cells = []
+            rows.append([str(frac), f"{head[frac]['token_hit_rate']:.3f}"])
             for p in policies:
                 a, b = rs[p].get("headroom_share_hit"), rs[p].get("headroom_share_flops")
                 star = "*" if rs[p].get("over_budget") else ""
-                cells.append("-" if a is None else f"{a:.0%}/{b:.0%}{star}")
-            print(f"{frac:5} {head[frac]['token_hit_rate']:9.3f} " + " ".join(f"{c:>13}" for c in cells))
+                rows[-1].append("-" if a is None else f"{a:.0%}/{b:.0%}{star}")
+        print(table(rows, ["frac", "bound hit", *policies]))
     print("* over budget: the policy's memory exceeded the cache size (published soft cap)")
 
 
@@ -466,16 +467,8 @@ def _offline_table(results: dict) -> None:
         if not any(p == "offline" for _, p in by):
             continue
         print(f"\n== {tname}: sparse vs offline (token hit rate; offline = future knowledge, same budget)")
-        cols = (
-            "bound",
-            "offline",
-            "sparse",
-            "sglang_native",
-            "sparse/offline",
-            "sparse/bound",
-            "offline/bound",
-        )
-        print(f"{'frac':>5} " + " ".join(f"{c:>14}" for c in cols))
+        cols = "frac bound offline sparse sglang_native sparse/offline sparse/bound offline/bound".split()
+        rows = []
         for frac in results["fracs"]:
             hit = {p: by.get((frac, p)) for p in ("offline", "sparse", "sglang_native")}
             sp, off = hit["sparse"] or {}, hit["offline"] or {}
@@ -486,7 +479,8 @@ def _offline_table(results: dict) -> None:
                 pct(sp.get("headroom_share_hit")),
                 pct(off.get("headroom_share_hit")),
             ]
-            print(f"{frac:5} " + " ".join(f"{c:>14}" for c in cells))
+            rows.append([str(frac), *cells])
+        print(table(rows, cols))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks._common import pyplot
+from benchmarks._common import pyplot, table
 from sglang_sparse.policy import POLICY_NAMES
 from sglang_sparse.policy.host_tier import HostTierConfig
 from sglang_sparse.sim import simulate
@@ -163,20 +163,17 @@ def print_tables(results: dict, policies: Sequence[str]) -> None:
             f"\n== {tname} with a host tier ({results['write_policy']}; cells: token hit rate / net FLOPs "
             "saved / GiB loaded)"
         )
-        print(f"{'frac':>5} {'R':>3} {'sparse no host':>15} " + " ".join(f"{p:>20}" for p in policies))
         by = {(r["frac"], r["host_ratio"], r["policy"]): r for r in tr["rows"]}
+        rows = []
         for frac in results["fracs"]:
             base = by[(frac, 0.0, "sparse (no host)")]
             for ratio in results["host_ratios"]:
-                cells = []
+                rows.append([str(frac), f"{ratio:g}", f"{base['token_hit_rate']:.3f}"])
                 for p in policies:
                     r = by[(frac, ratio, p)]
                     gib = r["load_bytes"] / 2**30
-                    cells.append(f"{r['token_hit_rate']:.3f}/{r['net_flops_saved_frac']:.3f}/{gib:.0f}")
-                print(
-                    f"{frac:5} {ratio:3g} {base['token_hit_rate']:15.3f} "
-                    + " ".join(f"{c:>20}" for c in cells)
-                )
+                    rows[-1].append(f"{r['token_hit_rate']:.3f}/{r['net_flops_saved_frac']:.3f}/{gib:.0f}")
+        print(table(rows, ["frac", "R", "sparse no host", *policies]))
     print("\n== sparse vs every policy with a host tier (token hit rate and net FLOPs saved)")
     for tname, rows in results["acceptance"].items():
         for r in rows:

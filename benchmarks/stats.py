@@ -61,6 +61,20 @@ def spread(values: Sequence[float | int | None], kind: str = "minmax") -> Spread
     return Spread(float(np.median(vals)), float(lo), float(hi), int(vals.size), kind)
 
 
+def latency_us(xs: Sequence[float]) -> dict[str, float]:
+    """Median / p90 / p99 / mean of ``xs`` (seconds) in microseconds, and ``n`` (all 0 when empty)."""
+    if not len(xs):
+        return {"median_us": 0.0, "p90_us": 0.0, "p99_us": 0.0, "mean_us": 0.0, "n": 0}
+    a = np.asarray(xs) * 1e6
+    return {
+        "median_us": float(np.median(a)),
+        "p90_us": float(np.percentile(a, 90)),
+        "p99_us": float(np.percentile(a, 99)),
+        "mean_us": float(a.mean()),
+        "n": len(xs),
+    }
+
+
 def paired_ratios(num: Sequence[float | None], den: Sequence[float | None]) -> list[float]:
     """Per-repetition ratios ``num[i] / den[i]`` where both are finite and ``den[i] > 0``."""
     if len(num) != len(den):

@@ -15,6 +15,7 @@ import numpy as np
 
 from .data import SYSTEM_PROMPTS_TAR, data_file, load_system_prompts
 from .schema import Request
+from .textgen import synthetic_answer_tokens
 from .tokenizer import get_tokenizer
 
 
@@ -55,6 +56,14 @@ def poisson_arrivals(rng: np.random.Generator, n: int, mean_gap_s: float, start_
 def round_ts(ts: float) -> float:
     """Timestamps are stored rounded to microseconds so that files are byte-stable."""
     return round(float(ts), 6)
+
+
+def single_turn(
+    rng: np.random.Generator, session_id: str, ts: float, inp: list[int], out_min: int, out_max: int
+) -> Request:
+    """Turn 0 of ``session_id`` at ``ts`` (rounded): ``inp`` and a synthetic answer of ``out_min`` to
+    ``out_max`` tokens (drawn from ``rng`` after the input)."""
+    return Request.make(session_id, 0, round_ts(ts), inp, synthetic_answer_tokens(rng, out_min, out_max))
 
 
 def sort_requests(requests: list[Request]) -> list[Request]:

@@ -26,13 +26,13 @@ from .common import (
     check_positive,
     check_range,
     poisson_arrivals,
-    round_ts,
+    single_turn,
     sort_requests,
     system_prompt_tokens,
 )
 from .data import Trajectory, load_quality, load_trajectories
 from .schema import Request
-from .textgen import doc_question, synthetic_answer_tokens
+from .textgen import doc_question
 from .tokenizer import footer, get_tokenizer, header, render_text_message
 
 DESCRIPTION = "long real documents (QuALITY, system prompts, agent logs), each with many questions"
@@ -127,8 +127,8 @@ def build(
             else:
                 q = doc_question(rng, doc_ids)
             inp = prefix + tok.encode("\n\nQuestion: " + q) + tail
-            out = synthetic_answer_tokens(rng, output_min_tokens, output_max_tokens)
-            requests.append(Request.make(f"docqa-d{slot:02d}-q{j:02d}", 0, round_ts(times[j]), inp, out))
+            sid = f"docqa-d{slot:02d}-q{j:02d}"
+            requests.append(single_turn(rng, sid, times[j], inp, output_min_tokens, output_max_tokens))
         docs_info.append(
             {
                 "session_prefix": f"docqa-d{slot:02d}-",

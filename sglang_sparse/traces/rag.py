@@ -24,13 +24,13 @@ from .common import (
     check_positive,
     check_range,
     poisson_arrivals,
-    round_ts,
+    single_turn,
     sort_requests,
     system_prompt_tokens,
     zipf_probabilities,
 )
 from .schema import Request
-from .textgen import rag_question, synthetic_answer_tokens
+from .textgen import rag_question
 from .tokenizer import footer, get_tokenizer, header, render_text_message
 
 DESCRIPTION = "shared instructions + k Zipf-popular retrieved chunks in random order + a question"
@@ -108,8 +108,7 @@ def build(
             inp += chunks[int(c)]
         about = chunks[int(picked[int(rng.integers(k))])]
         inp += tok.encode("\n\nQuestion: " + rag_question(rng, list(about))) + tail
-        out = synthetic_answer_tokens(rng, output_min_tokens, output_max_tokens)
-        requests.append(Request.make(f"rag-{i:06d}", 0, round_ts(times[i]), inp, out))
+        requests.append(single_turn(rng, f"rag-{i:06d}", times[i], inp, output_min_tokens, output_max_tokens))
     info = {
         "num_chunks": len(chunks),
         "prefix_tokens": len(head),

@@ -20,13 +20,13 @@ from .common import (
     check_positive,
     check_range,
     poisson_arrivals,
-    round_ts,
+    single_turn,
     sort_requests,
     system_prompt_tokens,
     zipf_probabilities,
 )
 from .schema import Request
-from .textgen import synthetic_answer_tokens, user_turn_tokens
+from .textgen import user_turn_tokens
 from .tokenizer import footer, header
 
 DESCRIPTION = "real system prompts with Zipf popularity + short synthetic user turns (single-turn)"
@@ -66,8 +66,7 @@ def build(
         if k not in blocks:
             blocks[k] = sys_h + list(prompts[k][1][:budget]) + foot
         inp = blocks[k] + user_h + user_turn_tokens(rng, user_min_tokens, user_max_tokens) + foot + asst_h
-        out = synthetic_answer_tokens(rng, output_min_tokens, output_max_tokens)
-        requests.append(Request.make(f"sp-{i:06d}", 0, round_ts(times[i]), inp, out))
+        requests.append(single_turn(rng, f"sp-{i:06d}", times[i], inp, output_min_tokens, output_max_tokens))
     used = sorted(blocks)
     info = {
         "num_prompts_in_corpus": len(prompts),
