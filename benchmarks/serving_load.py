@@ -561,7 +561,7 @@ def make_server(
     and environment, then ``extra`` / ``env``) with the workload's ``pools``."""
     from sglang_sparse.testing.server import SGLangServer, strategy_setup
 
-    flags, config_env, strategy = CONFIGS[config_base(config)]
+    _, config_env, strategy = CONFIGS[config_base(config)]  # the flags: server_args
     base, strategy_env = strategy_setup(strategy)
     return SGLangServer(
         model_dir,

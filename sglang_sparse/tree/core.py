@@ -581,11 +581,10 @@ class CheckpointTree:
         node.alive = False
         node.version += 1
         self.leaves.discard(node)
-        self.evictable_leaves.discard(node)
-        self.evictable_ckpt_nodes.discard(node)
-        if parent.parent is not None and not parent.children:
+        self.evictable_leaves.discard(node)  # a leaf is never in evictable_ckpt_nodes (check())
+        if parent.parent is not None and not parent.children:  # else the parent's membership stands
             self.leaves.add(parent)
-        self._sync_evictable(parent)
+            self._sync_evictable(parent)
         if self.listener is not None:
             self.listener.on_remove(node)
 
