@@ -174,6 +174,26 @@ class _Pending:
     plan: CapturePlan
 
 
+class _MidRequest:
+    """A request as SGLang's insert (``checkpoint_into_tree``) should see it while it publishes a
+    captured state: not finished (``req.finished()`` picks a mid-request checkpoint over the final
+    insert there). Every other attribute is the request's own, read and written through."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: Any) -> None:
+        object.__setattr__(self, "_req", req)
+
+    def finished(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._req, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._req, name, value)
+
+
 class CaptureMambaComponent(SparseMambaComponent):
     """While the cache publishes a captured state, hand the pre-filled slot to the insert."""
 
@@ -396,24 +416,21 @@ class CaptureRadixCache(SparseRadixCache):
                 self._free_slot(e.slot)
                 self.capture_stats["captures_rejected"] += 1
                 continue
-            # The tree reads req.finished() to tell a mid-request checkpoint (KV stays with the
-            # request, state slot donated) from the final insert: a captured state is always the
-            # former, also when it is published by the finishing request's release. Its cleanup
-            # forgets the request's named extra_buffer snapshots, which are not this insert's.
-            reason = req.finished_reason
+            # A captured state is a mid-request checkpoint (KV stays with the request, the slot is
+            # the capture's), also when the finishing request's release publishes it: the insert
+            # sees the request through _MidRequest. Its cleanup forgets the request's named
+            # extra_buffer snapshots, which are not this insert's.
             extra = getattr(self, "enable_mamba_extra_buffer", False)
             tracks = (req.kv.mamba_last_track_seqlen, req.kv.mamba_prev_track_seqlen) if extra else None
-            req.finished_reason = None
             self._capture_publishing = e
             try:
-                self.checkpoint_into_tree(req, up_to=e.position)
+                self.checkpoint_into_tree(_MidRequest(req), up_to=e.position)
             finally:
                 self._capture_publishing = None
-                req.finished_reason = reason
                 if tracks is not None:
                     req.kv.mamba_last_track_seqlen, req.kv.mamba_prev_track_seqlen = tracks
             self.capture_stats["captures_published"] += 1
-            if reason is not None:
+            if req.finished():
                 self._end_sequence_at(req, e.position)
 
     def _end_sequence_at(self, req, position: int) -> None:

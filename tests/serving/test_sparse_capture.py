@@ -241,8 +241,9 @@ def _pending(cache, rid: str, positions: list[int], slots: list[int], complete: 
 
 def test_publish_order_admission_and_frees_without_a_server() -> None:
     """Captured slots go to the tree in increasing position order, each through admit() and a
-    mid-request insert (finished masked, restored after); rejected, stale (<= protected) and
-    not-reached (> up_to) slots are freed; nothing stays pending."""
+    mid-request insert (the insert sees the request as not finished; the request itself is left
+    untouched); rejected, stale (<= protected) and not-reached (> up_to) slots are freed; nothing
+    stays pending."""
     import types
 
     cache = _bare_capture_cache(reject={192})
@@ -250,7 +251,7 @@ def test_publish_order_admission_and_frees_without_a_server() -> None:
 
     def fake_insert(req, *, up_to: int) -> None:
         pub = cache._capture_publishing
-        inserts.append((up_to, int(pub.slot), req.finished_reason))
+        inserts.append((up_to, int(pub.slot), req.finished(), req.finished_reason))
         req.kv.cache_protected_len = up_to
 
     cache.checkpoint_into_tree = fake_insert
@@ -259,9 +260,11 @@ def test_publish_order_admission_and_frees_without_a_server() -> None:
     req = types.SimpleNamespace(
         rid="r", finished_reason="done", kv=kv, origin_input_ids=[5] * 400, output_ids=[6, 7]
     )
+    req.finished = lambda: req.finished_reason is not None
     _pending(cache, "r", [256, 128, 64, 192, 400], [11, 12, 13, 14, 15])
     cache.publish_captures(req, up_to=300)
-    assert inserts == [(128, 12, None), (256, 11, None)]  # finished masked during each insert
+    # each insert sees a mid-request checkpoint; the request's own finish reason is never touched
+    assert inserts == [(128, 12, False, "done"), (256, 11, False, "done")]
     assert req.finished_reason == "done"
     assert sorted(cache.req_to_token_pool.mamba_allocator.freed) == [13, 14, 15]
     assert cache.policy.asked == [(128, False), (192, False), (256, False)]
