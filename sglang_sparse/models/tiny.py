@@ -4,21 +4,13 @@
 small local word-level tokenizer into ``out_dir``; nothing is downloaded. Weights are drawn from a
 seeded generator, so the same arguments give byte-identical weights on the same torch version.
 
-Sizes:
-
-* ``size="tiny"`` (default): hidden 128, 3 GDN layers + 1 full-attention layer, vocab 4096. Starts
-  in seconds; used by the serving tests.
-* ``size="bench"``: hidden 768, 12 layers (9 GDN + 3 attention), vocab 32000; prefill dominates, used
-  by ``benchmarks/prefill_cpu.py``.
+Sizes (:data:`SIZES`): ``tiny`` (default) starts in seconds, for the serving tests; ``bench``
+(hidden 768, 12 layers) is where prefill dominates, for ``benchmarks/prefill_cpu.py``.
 
 Layer pattern: every ``full_attention_interval``-th layer is full attention, the others are GDN
 (linear attention), e.g. interval 4 gives ``L L L A``. SGLang 0.5.23's Qwen3-Next config derives
 the pattern from ``full_attention_interval`` only (it ignores HF's ``layer_types``), so arbitrary
-patterns are not offered; both keys are written consistently.
-
-CLI::
-
-    python -m sglang_sparse.models.tiny --out /tmp/tiny --arch qwen3_next [--size bench]
+patterns are not offered; both keys are written consistently. CLI: :func:`main`.
 """
 
 from __future__ import annotations
@@ -167,8 +159,7 @@ def make_tiny_model(
 
     ``overrides`` replace fields of the ``size`` preset (see :class:`TinySpec`), e.g.
     ``hidden_size=256, num_layers=8, full_attention_interval=4``. Idempotent: if ``out_dir`` already
-    holds a checkpoint written with the same arguments, it is reused.
-    """
+    holds a checkpoint written with the same arguments, it is reused."""
     import torch
 
     if size not in SIZES:

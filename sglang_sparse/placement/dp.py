@@ -25,11 +25,6 @@ Three implementations, tested against each other and against exhaustive search:
 ``solve_dp`` (native C fast path when built, else the pure-Python hull),
 ``solve_dp_python`` (pure-Python hull) and ``solve_dp_reference`` (textbook O(n²·M), numpy).
 
-The depth law (:class:`DepthLaw`)
----------------------------------
-
-Overlap-depth laws binned onto candidate checkpoint positions.
-
 Vocabulary (all positions and depths are *token counts* from the start of the sequence):
 
 * A **checkpoint at position p** is the exact recurrent state after the first ``p`` tokens.
@@ -39,25 +34,18 @@ Vocabulary (all positions and depths are *token counts* from the start of the se
   position of a checkpoint that an ancestor edge already holds). Depths below the first chosen
   checkpoint resume there.
 
-A :class:`DepthLaw` keeps, for each interval between consecutive candidates, the total weight and
-the weighted sum of depths (first moment). That is exactly enough to evaluate the expected
-recompute of any checkpoint set drawn from the candidates:
-``cost = sum_bins (moment[i] - position_of_server(i) * mass[i])``.
+A :class:`DepthLaw` keeps, per interval between consecutive candidates, the total weight and the
+first moment: exactly enough to evaluate the cost above for any checkpoint set of its candidates.
 
-Where the law comes from (:class:`DepthHistogram`)
---------------------------------------------------
-
-Exponentially weighted overlap-depth histogram with a refresh period.
-
-Each observation ``observe(depth)`` gets weight 1 and every older one is multiplied by ``gamma``
-(so an observation ``k`` steps old weighs ``gamma**k``). Instead of touching every bin per step,
-the histogram stores ``weight * scale`` with a growing scale factor and renormalises in one pass
-when the scale exceeds ``_RESCALE_AT``; that pass also drops bins whose weight fell below
-``_PRUNE_BELOW`` of the total. Observing is therefore O(1) amortised and memory stays bounded by
-the depths seen in the last ~``log(_RESCALE_AT) / log(1/gamma)`` observations.
-
-Depths are exact integer token counts, so the law can be binned onto any candidate set later.
-The histogram counts observations and reports when a re-plan is due (every ``refresh``).
+Where the law comes from: :class:`DepthHistogram`, an exponentially weighted histogram of overlap
+depths with a refresh period. Each observation ``observe(depth)`` gets weight 1 and every older one
+is multiplied by ``gamma`` (so an observation ``k`` steps old weighs ``gamma**k``). Instead of
+touching every bin per step, the histogram stores ``weight * scale`` with a growing scale factor and
+renormalises in one pass when the scale exceeds ``_RESCALE_AT``; that pass also drops bins whose
+weight fell below ``_PRUNE_BELOW`` of the total. Observing is therefore O(1) amortised and memory
+stays bounded by the depths seen in the last ~``log(_RESCALE_AT) / log(1/gamma)`` observations.
+Depths are exact integer token counts, so the law can be binned onto any candidate set later. The
+histogram counts observations and reports when a re-plan is due (every ``refresh``).
 """
 
 from __future__ import annotations
@@ -76,11 +64,9 @@ DEFAULT_GRID = 64
 def grid_candidates(
     length: int, grid: int = DEFAULT_GRID, origin: int = 0, include_end: bool = False
 ) -> np.ndarray:
-    """Candidate checkpoint positions in ``(origin, length]``: multiples of ``grid`` (absolute).
-
-    With ``include_end`` the position ``length`` itself is a candidate even when it is off the
-    grid (the state after the last token, which an engine can always capture for free).
-    """
+    """Candidate checkpoint positions in ``(origin, length]``: multiples of ``grid`` (absolute). With
+    ``include_end`` the position ``length`` itself is a candidate even when it is off the grid (the
+    state after the last token, which an engine can always capture for free)."""
     if grid <= 0:
         raise ValueError(f"grid must be a positive number of tokens, got {grid}")
     if length < 0 or origin < 0:
@@ -114,8 +100,7 @@ class DepthLaw:
         (the last bin is unbounded above); depths below the origin are dropped at construction.
       * ``moment[i]`` is the weighted sum of those depths (tokens x weight).
       * ``max_depth[i]`` is the largest depth with positive weight in bin ``i`` (-1 when empty).
-    Weights need not sum to one; :attr:`total` gives the normaliser.
-    """
+    Weights need not sum to one; :attr:`total` gives the normaliser."""
 
     positions: np.ndarray
     mass: np.ndarray
@@ -178,9 +163,7 @@ class DepthLaw:
 
     def server_index(self, chosen: Sequence[int] | np.ndarray) -> np.ndarray:
         """For every bin, the index (into ``positions``) of the deepest chosen position at or below it.
-
-        ``chosen`` are indices into ``positions`` (index 0, the origin, is always available).
-        """
+        ``chosen`` are indices into ``positions`` (index 0, the origin, is always available)."""
         flag = np.zeros(self.positions.size, dtype=bool)
         flag[0] = True
         flag[np.asarray(chosen, dtype=np.int64)] = True
@@ -292,11 +275,9 @@ class DepthHistogram:
 
 @dataclass(frozen=True)
 class Placement:
-    """A checkpoint set and its cost under the law it was solved for.
-
-    ``positions`` are increasing token positions (candidates of the law, origin excluded);
-    ``cost`` is the weighted recompute in tokens x weight; ``total`` the law's total weight.
-    """
+    """A checkpoint set and its cost under the law it was solved for. ``positions`` are increasing token
+    positions (candidates of the law, origin excluded); ``cost`` is the weighted recompute in tokens x
+    weight; ``total`` the law's total weight."""
 
     positions: tuple[int, ...]
     cost: float
@@ -490,9 +471,7 @@ def solve_dp_native(law: DepthLaw, budget: int) -> Placement:
 
 
 def solve_dp(law: DepthLaw, budget: int) -> Placement:
-    """Optimal checkpoint placement for ``law`` with at most ``budget`` checkpoints, O(n·M).
-
-    Returns ``min(budget, #candidates with positive mass)`` positions; with an all-zero law
-    (nothing observed) it returns no positions and zero cost.
-    """
+    """Optimal checkpoint placement for ``law`` with at most ``budget`` checkpoints, O(n·M). Returns
+    ``min(budget, #candidates with positive mass)`` positions; with an all-zero law (nothing observed)
+    it returns no positions and zero cost."""
     return solve_dp_native(law, budget) if _NATIVE is not None else solve_dp_python(law, budget)

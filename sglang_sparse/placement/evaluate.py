@@ -16,8 +16,7 @@ class RecomputeStats:
 
     ``expected``: weight-averaged ``d - c(d)``; ``worst``: the largest ``d - c(d)`` over depths with
     positive weight; ``no_cache``: weight-averaged ``d - origin`` (nothing checkpointed);
-    ``reduction``: ``no_cache / expected`` (inf when expected is 0 and no_cache > 0, 1 when both 0).
-    """
+    ``reduction``: ``no_cache / expected`` (inf when expected is 0 and no_cache > 0, 1 when both 0)."""
 
     expected: float
     worst: float

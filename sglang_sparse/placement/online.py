@@ -17,19 +17,15 @@ had with it; :class:`OnlinePlanner` turns those depths into *target* positions:
    mixture alone (prior 1/2, hedge 1/2) decides.
 2. **DP.** :func:`~sglang_sparse.placement.solve_dp` on that law with budget ``M``.
 3. **Fill.** Budget the DP leaves unused (it uses at most one checkpoint per bin with mass) is
-   filled by balanced spacing (:func:`balanced_fill`).
-With no information at all (no informative own mass, no servable prior mass) the targets are
-exactly :func:`~sglang_sparse.placement.balanced_placement`.
+   filled by balanced spacing (:func:`balanced_fill`); with no information at all, exactly
+   :func:`~sglang_sparse.placement.balanced_placement` (:meth:`OnlinePlanner.plan`).
 
 Invariants of the targets: sorted, distinct int64 multiples of ``grid`` in ``(0, length]``;
 ``min(M, length // grid)`` of them; a depth with a large enough share of the own law gets a
 checkpoint at its grid floor ``grid * (d // grid)``.
 
-Capture and admission (what an engine can do online). A target position can only be captured when
-a request's prefill passes it (the state at ``p`` exists only while computing token ``p``):
-:func:`passed_positions`. Captured positions stay until a newly captured target needs the room:
-:func:`admit` then drops the *unplanned* held position whose removal raises the expected recompute
-under the entry's current law least (planned positions are kept while any unplanned one is left).
+Capture and admission (what an engine can do online): a target is captured only when a request's
+prefill passes it (:func:`passed_positions`); :func:`admit` decides which held position makes room.
 
 Units: every position, depth and length is a token count from the start of the sequence; weights
 are dimensionless (EW observation counts). Everything here is deterministic and numpy-only.
@@ -46,9 +42,7 @@ from .baselines import balanced_placement
 from .dp import DEFAULT_GRID, DepthHistogram, DepthLaw, grid_candidates, solve_dp
 
 PRIOR_WEIGHT = 0.05
-"""Mass of prior + hedge as a fraction of the entry's own informative mass (weight at depths
-``>= grid``: the mass a checkpoint can serve); the mixture alone (total mass 1) decides when that
-mass is zero."""
+"""Mass of prior + hedge relative to the entry's informative own mass (module docstring, step 1)."""
 
 REL_RESOLUTION = 4096
 """Relative depths ``d / length`` are kept in the global histogram as integers in
@@ -64,7 +58,6 @@ class DepthPrior:
     ``length - depth`` (tokens; shift-free: "the user turn + answer before the end", 0 for a
     continuation). :meth:`on_entry` maps both onto an entry of a given length, so a fresh entry
     with no history of its own can still place checkpoints where requests tend to stop.
-
     The two models are mixed by online EM. With ``pi = (1 - suffix_share, suffix_share)`` and
     the planner's no-own-data predictive law ``0.5 * (pi_r * rel + pi_s * suf) + 0.5 * uniform``
     over the ``length // grid`` servable grid blocks, an observation at a servable depth (``>=
@@ -73,12 +66,10 @@ class DepthPrior:
     observation) in the observed depth's grid block: the chance a checkpoint planned from it sits
     in that block. :attr:`suffix_share` is the suffix model's share of the EW (``gamma``) sums of
     responsibilities, which start at ``(1/2, 1/2)`` (a pseudo-observation, so neither model's
-    weight can collapse to zero for good). A workload whose stops sit a fixed distance before the
-    end (system prompt + question, document + question, continuations) moves the share to the
-    suffix model; one whose stops scale with the length (retrieved-chunk boundaries) to the
-    relative one.
-    Invariants: depths above the length are clipped to it; ``0 <= suffix_share <= 1``.
-    """
+    weight can collapse to zero for good): stops a fixed distance before the end (prompt +
+    question, continuations) move it to the suffix model, stops that scale with the length
+    (retrieved-chunk boundaries) to the relative one.
+    Invariants: depths above the length are clipped to it; ``0 <= suffix_share <= 1``."""
 
     __slots__ = ("relative", "suffix", "resolution", "grid", "gamma", "_score")
 
@@ -142,14 +133,11 @@ class DepthPrior:
 
     def on_entry(self, length: int) -> tuple[np.ndarray, np.ndarray]:
         """The prior on an entry of ``length`` tokens, restricted to *servable* depths (``>= grid``:
-        below the first grid point no checkpoint can help).
-
-        Relative depths map to ``floor(rel * length)``, suffix distances to ``length - s``; each
-        model is normalised over its servable depths and weighted ``1 - suffix_share`` and
-        ``suffix_share``; a model with no servable mass hands its share to the other. Returns
-        depths (tokens, float64) and weights summing to 1, or two empty arrays when nothing is
-        servable.
-        """
+        below the first grid point no checkpoint can help). Relative depths map to
+        ``floor(rel * length)``, suffix distances to ``length - s``; each model is normalised over
+        its servable depths and weighted ``1 - suffix_share`` and ``suffix_share``; a model with no
+        servable mass hands its share to the other. Returns depths (tokens, float64) and weights
+        summing to 1, or two empty arrays when nothing is servable."""
         share = self.suffix_share
         parts = [(d, w, s) for (d, w), s in zip(self._mapped(length), (1.0 - share, share), strict=True)]
         parts = [(d, w, s) for d, w, s in parts if w.size and s > 0]
@@ -166,8 +154,7 @@ def balanced_fill(plan: Iterable[int], length: int, budget: int, grid: int = DEF
     the optimum of a uniform law for what is left), then ``balanced_placement(length, budget)``.
     For ``plan`` a set of at most ``budget`` grid positions in ``(0, length]`` the result (sorted
     int64) is a superset of it with exactly ``min(budget, length // grid)`` positions: the second
-    list alone holds that many distinct ones.
-    """
+    list alone holds that many distinct ones."""
     chosen = set(int(p) for p in plan)
     spare = budget - len(chosen)
     if spare > 0:
@@ -180,7 +167,8 @@ def balanced_fill(plan: Iterable[int], length: int, budget: int, grid: int = DEF
 
 def passed_positions(pending: Iterable[int], resume: int, depth: int) -> set[int]:
     """Target positions a prefill that resumes at ``resume`` and reuses the prefix up to ``depth``
-    tokens passes (``resume <= p <= depth``): those it can capture."""
+    tokens passes (``resume <= p <= depth``): those it can capture (the state at ``p`` exists only
+    while computing token ``p``)."""
     return {int(p) for p in pending if resume <= p <= depth}
 
 
@@ -192,8 +180,7 @@ def admit(
     While over budget, drop the held position *not in* ``target`` whose removal raises the weighted
     recompute under ``law`` least (ties: the shallowest); only when every held position is planned
     is a planned one dropped by the same rule. All positions must be candidates of ``law``.
-    Returns sorted int64 positions, at most ``max(budget, 0)`` of them.
-    """
+    Returns sorted int64 positions, at most ``max(budget, 0)`` of them."""
     keep = set(int(p) for p in held) | set(int(p) for p in captured)
     plan = set(int(p) for p in target)
     while len(keep) > max(budget, 0):
@@ -206,11 +193,9 @@ def admit(
 
 @dataclass(frozen=True)
 class OnlinePlanner:
-    """Turns an entry's own depth histogram into target checkpoint positions (see module doc).
-
-    ``grid``: chunk size in tokens (targets are multiples of it in ``(0, length]``);
-    ``prior_weight``: mass of prior + hedge relative to the entry's informative own mass.
-    """
+    """Turns an entry's own depth histogram into target checkpoint positions (see module doc). ``grid``:
+    chunk size in tokens (targets are multiples of it in ``(0, length]``); ``prior_weight``: mass of
+    prior + hedge relative to the entry's informative own mass."""
 
     grid: int = DEFAULT_GRID
     prior_weight: float = PRIOR_WEIGHT

@@ -13,10 +13,9 @@ Per request (SGLang mapping in brackets)::
     freed = cache.evict_to_budget()            # or cache.evict(num_bytes) [evict]
     free(freed.kv); free(freed.states)
 
-``observe`` also recognises a session's next turn (a match ending exactly at a leaf where a
-sequence ended) and ``insert`` hangs the new sequence on that session (:mod:`.choose`; an engine
-mirror, which has no ``insert``, calls :meth:`HybridCache.end_sequence` on a request's final
-insert instead). Units: tokens, bytes (``budget_bytes`` is shared by KV and states), FLOPs.
+``observe`` also recognises a session's next turn and ``insert`` hangs the new sequence on that
+session (:mod:`.choose`; see :meth:`HybridCache.end_sequence`). Units: tokens, bytes
+(``budget_bytes`` is shared by KV and states), FLOPs.
 """
 
 from __future__ import annotations
@@ -72,19 +71,14 @@ class CapturePlan:
 class CacheSnapshot:
     """Flat, picklable state of a :class:`HybridCache` (no node objects, nothing recursive in depth).
 
-    ``tree``: the radix tree (:class:`~sglang_sparse.tree.TreeSnapshot`; it also carries
-    ``kv_bytes_per_token``/``state_bytes`` in bytes); ``plans``: the per-edge histograms and plans by
-    node uid (a :meth:`~.choose.PlanTable.snapshot`; it also carries ``gamma``/``refresh``/
-    ``plan_budget``/``grid``; ``None``: none observed yet, default configuration); ``policy``: the
-    policy name or spec; ``budget_bytes`` (bytes, KV + states); ``cost``: the cost model (``None`` for
-    policies that are not FLOP-aware); ``alpha``: the eviction weight in use (>= 0); ``min_cut_gain``
-    and ``branch_grid`` (tokens; ``None``: the tree's grid); ``tail``: the learned :class:`TailPrior`
-    (``None`` = a fresh one); ``fit_tokens``: see :class:`HybridCache` (``None``: derived from the
-    budget); ``probation``: the state handles on probation and ``prober`` the learned
-    :class:`~.choose.ProbationPlanner` (``None`` = a fresh one); ``chains``: the online sessions
-    (:class:`~.choose.ChainTracker`; ``None`` = a fresh one; the nodes' chain ids are in ``tree``).
-    Engines that keep their own tree build ``tree`` with
-    :class:`~sglang_sparse.tree.TreeSnapshotBuilder` and pass the rest from their config.
+    ``tree``: :class:`~sglang_sparse.tree.TreeSnapshot` (also carrying ``kv_bytes_per_token`` /
+    ``state_bytes``, bytes; the nodes' chain ids); ``plans``: a :meth:`~.choose.PlanTable.snapshot`
+    (also carrying ``gamma``/``refresh``/``plan_budget``/``grid``); ``budget_bytes``: KV + states;
+    ``cost``: ``None`` for policies that are not FLOP-aware; ``alpha``: the eviction weight in use;
+    ``min_cut_gain``, ``branch_grid`` (``None``: the grid) and ``fit_tokens`` (``None``: from the
+    budget): as :class:`HybridCache`'s (tokens); ``probation``: state handle -> tier. ``None`` for
+    ``plans`` (default configuration), ``tail``, ``prober`` or ``chains`` means a fresh one. Engines
+    that keep their own tree build ``tree`` with :class:`~sglang_sparse.tree.TreeSnapshotBuilder`.
     """
 
     tree: TreeSnapshot
@@ -160,8 +154,8 @@ class HybridCache:
             raise ValueError(f"policy {self.spec.name!r} is FLOP-aware and needs a cost model")
         self.budget_bytes = int(budget_bytes)
         self.cost = cost
-        #: the tree the policy runs on: a :class:`RadixTree` built here (the simulator's), or the one
-        #: given (an engine's mirror, or a tree rebuilt from a snapshot)
+        #: the tree: a new :class:`RadixTree` (the simulator's), or the given one (an engine's mirror,
+        #: a tree rebuilt from a snapshot)
         self.tree: CheckpointTree = tree or RadixTree(kv_bytes_per_token, state_bytes, kv_ops=kv_ops)
         #: the per-edge depth histograms and DP plans, by node uid (the given table, or a new one
         #: from ``gamma``/``refresh``/``plan_budget``/``grid``/``law_provider``); it listens to the tree
@@ -186,10 +180,9 @@ class HybridCache:
         self.tail = TailPrior(gamma, grid=grid, exact_grid=tail_grid)
         if fit_tokens is not None and fit_tokens < 0:
             raise ValueError(f"fit_tokens must be >= 0, got {fit_tokens}")
-        #: the most KV tokens the cache can hold next to one state (tokens): a sequence longer than
-        #: this gets a *fit state* at the deepest grid position within it (see :mod:`.choose`).
-        #: Default ``(budget_bytes - state_bytes) // kv_bytes_per_token``; an engine whose KV pool
-        #: is smaller than that (SGLang: KV and states in separate pools) passes its pool size.
+        #: the most KV tokens the cache can hold next to one state, default ``(budget_bytes -
+        #: state_bytes) // kv_bytes_per_token`` (a longer sequence gets a *fit state*, :mod:`.choose`);
+        #: an engine whose KV pool is smaller (SGLang: separate KV and state pools) passes its size
         self.fit_tokens: int | None = (
             int(fit_tokens)
             if fit_tokens is not None
@@ -197,17 +190,14 @@ class HybridCache:
         )
         #: KV tokens one state's bytes would hold (room a fit state leaves per extra state)
         self._state_tokens = -(-state_bytes // kv_bytes_per_token) if kv_bytes_per_token else 0
-        #: state handles on probation -> tier (``PROBATION``: a plan's first-sight guess, ``SPARE``:
-        #: an engine-offered state no plan asked for; ``sparse`` admission only, see :mod:`.choose`)
+        #: state handles on probation -> tier (:data:`~.evict.PROBATION` / :data:`~.evict.SPARE`)
         self.probation: dict[Any, int] = {}
         self.prober = ProbationPlanner(gamma, grid=grid, budget=probation_budget)
         #: handles of states the tail prior placed that no request has resumed from yet
         self.tail_states: dict[Any, None] = {}
-        #: online sessions (chains of leaves continued from their end; see :mod:`.choose`), tracked
-        #: for every policy, used by eviction when ``spec.eviction.chain_recency``
+        #: online sessions (:mod:`.choose`), tracked for every policy, scored only with ``chain_recency``
         self.chains = ChainTracker(grid=grid)
-        #: the eviction rounds (``evictor``: :class:`Evictor`, or a reference implementation of the
-        #: same candidates and terms in tests), on this cache's tree, probation map and sessions
+        #: the eviction rounds (:class:`Evictor`, or the tests' reference of the same terms)
         self.evictor = evictor(
             self.tree,
             self.spec.eviction,
@@ -314,10 +304,9 @@ class HybridCache:
         node = match.node
         leaf = sequence_leaf(node) if match.kv_depth >= self.grid and node.parent is not None else None
         if leaf is not None:
-            # Divergences above the first grid step cannot be served by any checkpoint: not evidence.
-            # A leaf cut back to a state (``seq_end`` False) is not where a sequence ended: reaching
-            # its end says nothing about continuing one. The match may end one split above the leaf
-            # (an engine that splits where a match ends): the same divergence from that sequence.
+            # Divergences above the first grid step are not evidence (no checkpoint serves them);
+            # nor is a leaf cut back to a state (``seq_end`` False: no sequence ended there). The match
+            # may end one split above the leaf (an engine that splits where a match ends).
             self.tail.observe_suffix(leaf.end + leaf.seq_tail - match.kv_depth)
         if self.spec.admission == "sparse":
             self.prober.observe(match.kv_depth)
@@ -353,12 +342,10 @@ class HybridCache:
     def supersede(self, match: MatchResult) -> bool:
         """A request resumed from a first-sight guess (a probation state, promoted by
         :meth:`observe`) and its plan captures the exact point where it diverges
-        (``match.kv_depth``): the guess, above that point on the same path, now serves only
-        requests that would diverge between the two depths, which none has yet. It becomes a
-        *spare* state (evicted first of all, see :mod:`.choose`) instead of a normal one, so a
-        request that learns where its prefix really ends adds no state net of the one it used, and
-        under pool pressure other prefixes' first-sight states are not pushed out for it. Returns
-        whether it was demoted. Call after :meth:`observe` and :meth:`plan`."""
+        (``match.kv_depth``): the guess, above that point, now serves only requests that would
+        diverge between the two depths, none seen yet, so it becomes a *spare* state (evicted first
+        of all) instead of a normal one. Returns whether it was demoted. Call after :meth:`observe`
+        and :meth:`plan`."""
         h = match.ckpt_handle
         if h is None or match.ckpt_node is None or h in self.probation:
             return False
@@ -383,16 +370,15 @@ class HybridCache:
         ``input_len``), and which of them are kept on probation.
 
         ``sparse`` admission: its planned positions (:func:`~.choose.capture_positions`) and the
-        positions the request ``named`` itself (prompt positions an application knows divergences
-        at: chat message boundaries, the end of a document), plus on probation up to
-        ``probation_budget`` first-sight positions on the new part of the prompt
-        (:class:`~.choose.ProbationPlanner`) and the last-token state when it is not planned.
+        positions the request ``named`` itself (where an application knows divergences are), plus
+        on probation up to ``probation_budget`` first-sight positions on the new part of the prompt
+        (:class:`~.choose.ProbationPlanner`), the last-token state when it is not planned, and the
+        tail prior's positions while it is not :meth:`~.choose.TailPrior.trusted`.
 
-        ``min_cut_gain`` (engine cost, tokens; 0 = captures are free, as with a capture kernel):
-        a position inside the prefill (``< input_len``) is dropped when it lies fewer than
-        ``min_cut_gain`` tokens after the resume depth or the previous kept position. An engine that
-        captures states only at prefill-chunk ends (SGLang's ``no_buffer`` path) pays one extra
-        forward pass per such position, more than the few tokens it would save per hit."""
+        ``min_cut_gain`` (engine cost, tokens; 0 = captures are free): a position inside the prefill
+        (``< input_len``) is dropped when it lies fewer than ``min_cut_gain`` tokens after the
+        resume depth or the previous kept position (an engine capturing only at prefill-chunk ends
+        pays one extra forward per position)."""
         total = input_len if total_len is None else total_len
         from_tail: set[int] = set()
         pos = capture_positions(
@@ -423,10 +409,7 @@ class HybridCache:
                 fb = marconi_branch_point(match, input_len, self.grid)
                 if fb is not None and fb > match.resume_depth and fb not in pos:
                     probation.add(fb)
-            if not self.tail.trusted():
-                # The prior's states have not been serving requests (a stream whose new leaves are
-                # almost never revisited while their states are held): its positions become
-                # first-sight guesses, evicted before every used state.
+            if not self.tail.trusted():  # its positions become first-sight guesses (:mod:`.choose`)
                 probation.update(from_tail.intersection(pos))  # not what the fit state displaced
             pos = sorted(set(pos) | probation)
         if self.min_cut_gain > 0:

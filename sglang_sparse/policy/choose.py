@@ -1,197 +1,134 @@
 """Choose: which recurrent-state positions a request captures, and what the policy learns to choose them.
 
-The one module for *what enters the cache*. A request is observed once (``HybridCache.observe``:
-the plan table's per-edge depth histograms and DP re-plans, the tail prior, the probation prior,
+The one module for *what enters the cache*. A request is observed once (``HybridCache.observe``: the
+plan table's per-edge depth histograms and DP re-plans, the tail prior, the probation prior,
 sessions) and planned once (``HybridCache.plan`` -> :func:`capture_positions`, the one entry point
-that turns those into absolute token depths). Sections below, in the order a request meets them.
+that turns those into absolute token depths). Units: depths and positions in tokens from the root,
+clocks in logical ticks of the tree's clock, weights dimensionless.
 
 Per-edge plans (:class:`PlanTable`)
 -----------------------------------
 
-The policy's per-edge state: each edge's depth histogram and checkpoint plan, keyed by node uid.
-
-The tree (:class:`~sglang_sparse.tree.CheckpointTree`: :class:`~sglang_sparse.tree.RadixTree` or
-:class:`~sglang_sparse.tree.MirrorTree`) is mechanism only; a :class:`PlanTable` is its
-``listener`` (:class:`~sglang_sparse.tree.TreeListener`) and follows the same structural events
-for both trees: a split divides an edge's entry, a merge joins two, a removed node's entry goes.
+Each edge's depth histogram and checkpoint plan, keyed by node uid. The tree
+(:class:`~sglang_sparse.tree.CheckpointTree`: :class:`~sglang_sparse.tree.RadixTree` or
+:class:`~sglang_sparse.tree.MirrorTree`) is mechanism only; a :class:`PlanTable` is its ``listener``
+(:class:`~sglang_sparse.tree.TreeListener`) and follows the same structural events for both trees: a
+split divides an edge's entry, a merge joins two, a removed node's entry goes.
 
 Invariants: an entry exists only for a live node's uid (a missing entry means: no histogram, an
-empty plan, not fresh); ``plan`` holds absolute depths ``p`` (tokens) with ``start < p <= end`` of
-its edge (those the DP solved for, ``<= plan_budget`` of them); ``fresh`` means every depth the edge
-observed since its last re-plan was its ``end`` and the plan holds ``end``, so re-solving would
-return the same plan (see :attr:`PlanTable.skip_fresh_replans`).
+empty plan, not fresh); ``plan`` holds absolute depths ``p`` with ``start < p <= end`` of its edge
+(those the DP solved for, ``<= plan_budget`` of them); ``fresh`` means every depth the edge observed
+since its last re-plan was its ``end`` and the plan holds ``end``, so re-solving would return the
+same plan (see :attr:`PlanTable.skip_fresh_replans`).
 
-Depth observations (what each edge's histogram sees). A request whose KV match reaches depth
-``d`` observes ``d`` on the edge ``(a, b]`` containing ``d``; every strict ancestor edge
-``(a', b']`` observes ``b'`` (its end, i.e. the depth clipped to the edge). Rationale: within the
-per-edge model an edge's origin (its start) is assumed to be a free resume point; for an ancestor,
-the best place to serve traffic that continues below it is its end, which is exactly where the
-ancestor's DP then puts a checkpoint, making the assumption true for its children.
+Depth observations. A request whose KV match reaches depth ``d`` observes ``d`` on the edge ``(a,
+b]`` containing ``d``; every strict ancestor edge ``(a', b']`` observes ``b'`` (the depth clipped to
+the edge). Rationale: the per-edge model assumes an edge's start is a free resume point; for an
+ancestor, the best place to serve traffic that continues below it is its end, which is exactly where
+the ancestor's DP then puts a checkpoint, making the assumption true for its children.
 
 The tail prior (:class:`TailPrior`)
 -----------------------------------
 
-Where will future requests leave a *new* leaf? A learned prior over suffix distances.
+Where future requests will leave a *new* leaf (no observations of its own yet): the *distance from a
+leaf's end at which later requests diverge* (user turn + answer after a system prompt, question +
+answer after a document, 0 for multi-turn continuations) is stable across leaves even though
+absolute depths are not: :class:`TailPrior` keeps an EW histogram of those suffix distances ``s =
+leaf.end - d``, observed whenever a request's KV match ends on a leaf edge at depth ``d``. For a new
+leaf ``(a, b]`` it maps the law to depths ``b - s`` and lets the exact DP choose up to ``budget``
+positions on the grid (plus ``b``, the last-token state), keeping only positions that serve at least
+``min_share`` of the prior mass on the leaf. With a finer ``exact_grid`` (an engine that captures at
+any page-aligned depth inside a prefill) the candidates are the predicted depths themselves, aligned
+down to that grid, and ``b`` (the optimum of the one-sided k-median lies on them: moving a position
+up to the next predicted depth serves the same requests from deeper); two positions less than
+``min_gap`` tokens apart (default a quarter of the grid) then keep only the shallower (besides
+``b``): one cluster of nearly equal suffixes split into states a few tokens apart saves those few
+tokens per hit for a whole state.
 
-A freshly inserted sequence has no observations of its own, so the per-edge DP has nothing to plan
-with; Marconi only checkpoints it at its last token and learns the real branch point when a second
-request diverges there (that second request misses). Traces show a strong regularity instead: the
-*distance from the end of a leaf at which later requests diverge* (the user turn + answer after a
-system prompt, the question + answer after a document, 0 for multi-turn continuations) is stable
-across leaves even though absolute depths are not.
-
-:class:`TailPrior` keeps an EW histogram (:class:`~sglang_sparse.placement.DepthHistogram`) of
-those suffix distances ``s = leaf.end - d`` (tokens), observed whenever a request's KV match ends
-on a leaf edge at depth ``d``. For a new leaf ``(a, b]`` it maps the law to depths ``b - s`` and
-lets the exact DP choose up to ``budget`` positions on the grid (plus ``b`` itself, the last-token
-state), keeping only positions that serve at least ``min_share`` of the prior mass: a checkpoint
-costs a whole recurrent state, so an unlikely position is not worth capturing.
-
-With a finer ``exact_grid`` (an engine that captures a state at any page-aligned depth inside a
-prefill, e.g. the page size) the candidates are the predicted depths themselves, aligned down to
-that grid, and ``b``: the optimum of the one-sided k-median lies on them (moving a position up to
-the next predicted depth serves the same requests from deeper), so a suffix that repeats exactly
-(a fixed-length question after a document) gets its state at the divergence, not up to a grid
-step below it. Two positions less than ``min_gap`` tokens apart keep only the shallower (besides
-``b``): the DP splits one cluster of nearly equal suffixes (questions that share their first
-20-25 tokens diverge 19-25 tokens before the end) into states a few tokens apart, each saving those
-few tokens per hit for a whole state, and under pool pressure they push out the states that save
-hundreds. ``min_gap`` defaults to a quarter of the grid (16 tokens on the 64-token grid); measured
-on the 60-request doc_qa serving slice (tiny model, page 1, in-forward capture), prefilled tokens
-per ``min_gap``: 1: 8,343 (the document-end states evicted), 2: 6,552, 4-16: 6,506, 32-64: 6,554.
-
-The suffix law is conditional on a revisit: it says *where* a later request leaves a leaf, given
-that one does, not *whether* one does while the state is held. The cache therefore follows the
-prior's own states (:meth:`TailPrior.observe_outcome`: a request resumed from it, or it was freed
-unused) and keeps an EW :attr:`TailPrior.hit_rate` (one pseudo-hit: trusted until shown
-otherwise). Below ``min_hit_rate`` (2%) the prior's positions are still captured but on probation
-(evicted before every used state; one that serves a request is promoted and counts as a hit, so the
-rate recovers). Measured: the prior's hit rate reads 0.44-0.46 on the doc_qa / system_prompts
-serving slices and 0.00-0.01 in the 500-request RAG storm (15 requests in flight: a request that
-shares a question's documents is mostly admitted before the other's leaf exists), where a normal
-state per request at the predicted depth displaced shared-prefix states from the pool (prefilled
-279,841 -> 274,183 with the gate). In the simulator the rate reads 0.004-0.23 (doc_qa 5%-50%, rag
-5%-20%, agent 10%) and a tail state there still pays at 5.7% (doc_qa at 10%: gating at 20% took its
-hit rate from 0.256 to 0.056), hence the low bar.
+The suffix law says *where* a later request leaves a leaf, not *whether* one does while the state is
+held. The cache follows the prior's own states (:meth:`TailPrior.observe_outcome`: resumed from, or
+freed unused) into an EW :attr:`TailPrior.hit_rate` (one pseudo-hit: trusted until shown otherwise).
+Below ``min_hit_rate`` (2%: a tail state can pay at a few percent) the prior's positions are
+captured on probation; one that serves a request is promoted and counts as a hit.
 
 Probation states (:class:`ProbationPlanner`)
 --------------------------------------------
 
-Probation states: where a *new* leaf keeps states before any request has shown where it diverges.
+Where a *new* leaf keeps states before any request has shown where it diverges. With in-forward
+capture a state costs a copy, not a forward, so the ``sparse`` admission keeps a few states on
+**probation**: evicted before every other state (oldest first; the key ``PROBATION_KEY + recency``
+of :mod:`.evict`), and made normal the first time a request resumes from one
+(:meth:`~.cache.HybridCache.observe`). They only use room no other state needs, and the states kept
+per request are the plan's, not the engine's chunk ends.
 
-A request that creates a leaf is the first sight of its sequence: no edge histogram and, for a new
-prompt family, no tail-prior observation says where the next request on it will diverge, so
-Marconi-style admission keeps only the branch point and the last token, and the second request on
-a new prefix recomputes it (SGLang's no_buffer cache instead keeps every chunk end, at a state slot
-each, and thrashes its pool with them when the chunk size is small).
-
-With in-forward capture a state costs a copy, not a forward, so the ``sparse`` admission keeps a few
-states on **probation**: they are evicted before every other state (oldest first; the eviction key
-``PROBATION_KEY + recency`` of :mod:`.evict`), and a probation state becomes a normal one
-the first time a request resumes from it (:meth:`~.cache.HybridCache.observe`). Probation states
-therefore only use room no other state needs, and the states kept per request are the plan's, not
-the engine's chunk ends.
-
-Where (:meth:`ProbationPlanner.positions`): the exact DP (:func:`~sglang_sparse.placement.solve_dp`)
-over the grid positions of the new part of the prompt, on a law that mixes (a) a prior over the
-absolute depths at which requests have shared a prefix so far (an exponentially weighted histogram
-of KV-match depths, :meth:`ProbationPlanner.observe`) restricted to that range, and (b) a uniform
-hedge over the range (the whole law when the prior has no mass there). With a budget of ``B``
-states and no observation this places them evenly (a request diverging anywhere on the new part
-resumes within ``1 / (B + 1)`` of its length); once prefix lengths repeat (multi-tenant RAG with
-similar document sizes) they move to those depths. Positions the plan already captures are dropped.
-The last-token state, when the plan does not want it, is also kept on probation (see
-:func:`~.choose.capture_positions`): the leaf then ends at its sequence end while it is cached,
-which is what the tail prior learns continuations from.
-
-Units: depths and positions in tokens from the root; weights dimensionless.
+Where (:meth:`ProbationPlanner.positions`): the exact DP over the grid positions of the new part of
+the prompt, on a law that mixes (a) an EW histogram of the absolute KV-match depths seen so far
+(:meth:`ProbationPlanner.observe`) restricted to that range and (b) a uniform hedge over the range
+(the whole law when the prior has no mass there). With a budget of ``B`` and no observation this
+places them evenly (a request diverging anywhere on the new part resumes within ``1 / (B + 1)`` of
+its length); once prefix lengths repeat they move to those depths. The last-token state, when the
+plan does not want it, is also kept on probation (:meth:`~.cache.HybridCache.plan`): the leaf then
+ends at its sequence end while it is cached, which is what the tail prior learns continuations from.
 
 Online sessions (:class:`ChainTracker`)
 ---------------------------------------
 
-Online sessions without session ids: *chains* of leaves continued from their end.
+Sessions without session ids: *chains* of leaves continued from their end. A multi-turn session
+sends turn ``k + 1`` as turn ``k``'s whole sequence plus new tokens, so its KV match ends **exactly
+at the end of a leaf where a sequence ended** (:attr:`Node.seq_end`) and its insert hangs a new leaf
+below it; both the simulator and an engine mirror see that from structural events alone:
 
-A multi-turn session (an agent, a chat) sends turn ``k + 1`` as turn ``k``'s whole sequence (input +
-output) plus new tokens. In a radix tree that is visible from structure alone: the request's KV
-match ends **exactly at the end of a leaf where a sequence ended** (:attr:`Node.seq_end`) and its
-insert hangs a new leaf below it. :class:`ChainTracker` names such a run of leaves a *chain*, from
-the structural events both the simulator and an engine mirror see (no tokens, no session ids):
-
-* :meth:`ChainTracker.continuation` (at ``observe``, before the tree's): the request continues the
-  leaf ``L`` its match ends on when ``kv_depth == L.end``, ``L`` has no children, and ``L`` is a
-  sequence end or already on a chain (a chain's tip cut back to a state still ends the session's
-  cached prefix); matches shallower than one grid step count for nothing (a shared chat header).
-  :meth:`ChainTracker.arrive` (after the tree's ``observe``): the first continuation
-  of ``L`` creates a chain (``L.chain``); every continuation records an arrival of the chain at the
-  logical clock and marks ``L`` as the tip the request's sequence will hang from.
-* :meth:`ChainTracker.end_sequence` (when a sequence ends at node ``N``: the simulator's insert, an
-  engine's final insert): ``N`` joins the chain of the nearest ancestor that is on a chain or a
-  sequence end (walking at most :data:`MAX_WALK` nodes up, through nodes an engine created for the
-  same request's earlier chunks), if that ancestor is the chain's pending tip. One continuation adds
-  one node: a chain is linear (a second request forking from the same turn does not join it).
-* The upper part of a split keeps the chain of the node it was split from
+* :meth:`ChainTracker.continuation` (at ``observe``, before the tree's): the request continues leaf
+  ``L`` when ``kv_depth == L.end >= grid`` (a shared chat header is no session), ``L`` has no
+  children and is a sequence end or on a chain (a tip cut back to a state still ends the session's
+  cached prefix). :meth:`ChainTracker.arrive` (after the tree's ``observe``): the first continuation
+  of ``L`` creates a chain (``L.chain``); each records an arrival and makes ``L`` the pending tip.
+* :meth:`ChainTracker.end_sequence` (a sequence ends at ``N``: the simulator's insert, an engine's
+  final insert): ``N`` joins the chain of the nearest ancestor on a chain or a sequence end (at most
+  :data:`MAX_WALK` nodes up, through an engine's nodes for the same request's earlier chunks) if
+  that is the chain's pending tip. A chain is linear (a second request forking from the same turn
+  does not join it).
+* A split's upper part keeps the chain of the node it was split from
   (:func:`~sglang_sparse.tree.radix.split_node_state`); a merge keeps the surviving child's.
 
-Per chain (logical ticks of the tree's clock, the unit of eviction recency): ``last`` (the tick of
-its latest arrival), ``gap_sum`` / ``gaps`` (the sum and count of its inter-arrival gaps; the first
-gap is measured from the continued leaf's last access). Its **due** tick is ``last + gap_sum /
-gaps``: when the session is expected back, from its own past only (on the agent trace a session's
-mean gap in its first half predicts its second half). Invariants: ``gaps >= 1`` for every chain;
-every live node's ``chain`` is ``-1`` or a key of :attr:`ChainTracker.chains`; the live chain nodes
-of one chain lie on one root path and the chain's arrivals are exactly the requests that continued
-it. All of them are on the path a continuing request observes, so the eviction index refreshes
-every row whose due tick changed without a tree scan.
-
-Prior (:meth:`ChainTracker.prior_gap`): a sequence-end leaf no chain holds (a session's first
-turn, or a session whose chain was evicted and which starts over) is expected back after the mean
-gap of all chains, while at least half of the requests whose match reaches such a leaf continue
-it (:attr:`ChainTracker.continuation_share`, EW). The share ignores requests that miss everything,
-so a thrashing cache does not switch its own prior off.
-
-Use (:mod:`.evict`, ``EvictionConfig.chain_recency``): a candidate on a chain is scored by how
-soon its session is due back; superseded states of older turns keep their own recency, set back.
-What the sessions know in the simulator and on an engine mirror is the same: the test
-``tests/test_tree_mirror_sessions.py`` checks equal chains and arrival statistics.
-
-Cost: :meth:`~ChainTracker.arrive` O(1), :meth:`~ChainTracker.end_sequence` O(:data:`MAX_WALK`),
-:meth:`~ChainTracker.collect` O(nodes) once the table doubles (amortised O(1) per chain created).
-Chain ids are never reused, so a stale id can only miss, never name another session. Everything is
-a deterministic function of the event stream (ints; the due tick is one float division).
+Per chain (:class:`Chain`): the **due** tick ``last + gap_sum / gaps`` from the session's own
+inter-arrival gaps (the first measured from the continued leaf's last access). Invariants: ``gaps >=
+1`` for every chain; every live node's ``chain`` is ``-1`` or a key of :attr:`ChainTracker.chains`;
+the live nodes of one chain lie on one root path and its arrivals are exactly the requests that
+continued it. All of them are on the path a continuing request observes, so the eviction index
+refreshes every row whose due tick changed without a tree scan. Use:
+:func:`~.evict.effective_recency`. Cost: :meth:`~ChainTracker.arrive` O(1),
+:meth:`~ChainTracker.end_sequence` O(:data:`MAX_WALK`), :meth:`~ChainTracker.collect` O(nodes) once
+the table doubles (amortised O(1) per chain). Chain ids are never reused, so a stale id can only
+miss. Everything is a deterministic function of the event stream (ints; the due tick is one float
+division); ``tests/test_tree_mirror_sessions.py`` checks simulator and mirror agree.
 
 Admission (:func:`capture_positions`)
 -------------------------------------
 
-Admission: which recurrent-state positions a request captures (during prefill or after decode).
-
-All positions are absolute token depths. A request resuming at ``resume_depth`` can only capture
-positions it computes, i.e. ``resume_depth < p <= total_len`` where ``total_len`` counts input +
-output tokens; positions ``<= len(input)`` are captured during prefill, deeper ones during decode.
+A request resuming at ``resume_depth`` can only capture ``resume_depth < p <= total_len``
+(``total_len``: input + output tokens); positions ``<= len(input)`` are captured during prefill,
+deeper ones during decode.
 
 * ``marconi`` (Marconi speculative insertion, arXiv 2411.19379 sec. 4.1): the branch point
-  ``floor(kv_depth / branch_grid) * branch_grid`` (``branch_grid``: the chunk grid by default, the
-  page size where the engine captures states inside an extend) when the request would create a
-  new branch (its input continues past the KV match and the match does not end at a leaf's end), plus
-  the state after the last token (``total_len``).
+  ``floor(kv_depth / branch_grid) * branch_grid`` when the request would create a new branch (its
+  input continues past the KV match and the match does not end at a leaf's end), plus the state
+  after the last token (``total_len``).
 * ``block``: every multiple of ``block`` tokens (vLLM-style, independent of the tree).
-* ``dp``: the DP plans of the edges on the matched path
-  (:meth:`~.choose.PlanTable.planned_captures`), plus the last-token state.
-* ``sparse`` (the product): ``dp`` on the matched path + the Marconi branch point + the positions a
-  learned :class:`~sglang_sparse.policy.choose.TailPrior` chooses on the new leaf
-  ``(kv_depth, total_len]`` (which includes the last-token state only when requests do continue
-  leaves at their end). Until the prior has ``warmup`` observations it admits the last token as
-  Marconi does. Planned positions shallower than one grid step are not captured: such a state
-  saves fewer than ``grid`` tokens per hit (e.g. a short chat-template header every request shares)
-  for the bytes of a whole state, and being used by every request it would never age out.
-  *Fit state*: when the sequence is longer than the cache can hold (``total_len > fit``, ``fit`` =
-  the most KV tokens that fit with one state), every state past ``fit`` is unservable and would be
-  evicted with its whole leaf; ``sparse`` then captures instead the deepest grid position at which
-  the prefix fits next to this state and the branch point, if any (``state_tokens`` KV tokens of
-  room per state), and drops its other planned positions up to ``fit`` (they could not all stay
-  next to it), so eviction can cut the leaf back to that state and keep the longest prefix that
-  does fit (a document longer than a small cache, a long agent session). States already on the
-  matched path are left to eviction (counting them as well was measured worse on doc_qa at 5% and
-  10% of the footprint: 0.094 / 0.191 vs 0.124 / 0.214 token hit rate; better on agent at 5%:
-  0.111 vs 0.096; both with the min-max eviction score used before decayed recency).
+* ``dp``: the DP plans of the edges on the matched path (:meth:`PlanTable.planned_captures`), plus
+  the last-token state.
+* ``sparse`` (the product): ``dp`` + the Marconi branch point + the :class:`TailPrior`'s positions
+  on the new leaf ``(kv_depth, total_len]`` (the last-token state only when requests do continue
+  leaves at their end); before ``warmup`` prior observations, the last token as Marconi. Planned
+  positions shallower than one grid step are not captured: such a state saves fewer than ``grid``
+  tokens per hit for a whole state, and, used by every request (a shared chat-template header), it
+  would never age out. *Fit state*: when ``total_len > fit`` (the most KV tokens that fit with one
+  state), every state past ``fit`` is unservable and would be evicted with its whole leaf;
+  ``sparse`` then captures the deepest grid position at which the prefix fits next to this state and
+  the branch point, if any (``state_tokens`` KV tokens of room per state), and drops its other
+  planned positions up to ``fit``, so eviction can cut the leaf back to that state and keep the
+  longest prefix that fits. States already on the matched path are not counted in that room (left to
+  eviction).
 """
 
 from __future__ import annotations
@@ -265,18 +202,15 @@ def _merge_hist(upper: DepthHistogram | None, lower: DepthHistogram | None, at: 
 
 class PlanTable:
     """Per-edge depth histograms and DP plans of one tree, keyed by node uid (module docstring).
+    ``gamma``/``refresh`` configure each edge's :class:`DepthHistogram`; ``plan_budget``: the
+    per-edge checkpoint budget ``M`` of :func:`solve_dp`; ``grid``: the candidate positions' chunk
+    size (tokens); ``law_provider``: replaces the histograms (the simulator's oracle). Attach it
+    with ``tree.listener = table``."""
 
-    ``gamma``/``refresh`` configure each edge's :class:`DepthHistogram`; ``plan_budget`` is the
-    per-edge checkpoint budget ``M`` handed to :func:`solve_dp`; ``grid`` the chunk size of
-    candidate positions (tokens); ``law_provider`` (optional) replaces the online histogram by
-    another law source (the simulator's oracle). Attach it with ``tree.listener = table``."""
-
-    #: Skip a due re-plan of an edge whose observations since its last re-plan were all at its end
-    #: while its plan holds the end (``fresh``): the DP's optimum is then unchanged (the end's mass
-    #: costs nothing to a plan holding the end, and the EW decay scales every other depth alike).
-    #: Ancestors of a match observe their end (module docstring), so along a deep chain (a long
-    #: multi-turn session) this removes almost every re-plan of a request. ``False`` re-solves every
-    #: time (the differential tests compare both).
+    #: Skip a due re-plan of a ``fresh`` edge: the DP's optimum is unchanged (the end's mass costs
+    #: nothing to a plan holding the end, and the EW decay scales every other depth alike). Along a
+    #: deep chain every ancestor observes its end, so this removes almost every re-plan of a request.
+    #: ``False`` re-solves every time (the differential tests compare both).
     skip_fresh_replans = True
 
     def __init__(
@@ -366,15 +300,12 @@ class PlanTable:
 
     def planned_captures(self, tree: CheckpointTree, match: MatchResult) -> list[int]:
         """Planned positions on the matched path that a prefill resuming at ``resume_depth`` passes
-        (``resume_depth < p <= kv_depth``) and that are not cached yet.
-
-        A plan position at an edge's end is captured when the tree's edge ends are divergence
-        points (:attr:`CheckpointTree.edge_ends_diverge`), else only at a branch point or a
-        sequence end. The end of the edge the KV match ends on, when the match ends exactly there,
-        is the point where this request diverges (an engine that splits an edge where a match ends,
-        SGLang's, made that edge end for this request): a branch point in every tree, so a plan
-        that wants it (the per-edge DP, on that edge's observed depths) captures it at its exact
-        depth."""
+        (``resume_depth < p <= kv_depth``) and that are not cached yet. A plan position at an edge's end
+        is captured when the tree's edge ends are divergence points
+        (:attr:`CheckpointTree.edge_ends_diverge`), else only at a branch point or a sequence end. The
+        end of the edge the KV match ends on, when the match ends exactly there, is where this request
+        diverges (SGLang splits an edge where a match ends): a branch point in every tree, so a plan that
+        wants it captures it at its exact depth."""
         out = []
         lo, hi = match.resume_depth, match.kv_depth
         branch = match.node if match.kv_depth > 0 and match.kv_depth == match.node.end else None
@@ -440,7 +371,7 @@ class PlanTable:
         """An independent copy (only the entries of ``uids``, if given; without the law provider):
         what a :class:`~.cache.CacheSnapshot` carries. Flat (a dict of entries): it pickles and
         copies without recursion in tree depth, histograms bit-exact. O(entries + bins), without
-        ``copy.deepcopy`` (which took ~20 s for a 100,000-edge session)."""
+        ``copy.deepcopy``."""
         src = self.entries if uids is None else {u: self.entries[u] for u in uids if u in self.entries}
         out = PlanTable.__new__(PlanTable)
         out.__dict__.update(self.__dict__)  # settings (and any instance override), shared immutables
@@ -494,9 +425,8 @@ class TailPrior:
             raise ValueError(f"min_hit_rate must be in [0, 1), got {min_hit_rate}")
         #: below this :attr:`hit_rate` the prior's positions are kept on probation (:meth:`trusted`)
         self.min_hit_rate = float(min_hit_rate)
-        #: EW counts (states) of the prior's resolved states and of those a request resumed from
-        #: before they were freed (:attr:`hit_rate`), starting from one pseudo-hit: the prior is
-        #: trusted until a few of its states have gone unused, not after the first one
+        #: EW counts of the prior's resolved states and of those a request resumed from before they
+        #: were freed (:attr:`hit_rate`), from one pseudo-hit (not distrusted after one unused state)
         self._resolved = 1.0
         self._hits = 1.0
 
@@ -554,10 +484,8 @@ class TailPrior:
         law = DepthLaw.from_depths(depths, w, cand, start)
         plan = solve_dp(law, budget).positions
         if self.exact_grid < self.grid:
-            # Off the grid the DP may split one cluster of predicted depths into states a few
-            # tokens apart: each extra one saves those few tokens at the cost of a whole state.
-            # A position closer than ``min_gap`` to the previous one is dropped (the previous
-            # one serves its requests); the last-token state is kept (continuations).
+            # ``min_gap`` (module docstring): the previous position serves a closer one's
+            # requests; the last-token state is kept (continuations).
             kept: list[int] = []
             for p in plan:
                 if not kept or p == end or p - kept[-1] >= self.min_gap:
@@ -580,11 +508,10 @@ DEFAULT_PROBATION_BUDGET = 2
 
 
 class ProbationPlanner:
-    """EW prior over shared-prefix depths + the DP that places a new leaf's probation states.
-
-    ``gamma``: decay per observation; ``grid``: candidate grid (tokens); ``budget``: states per new
-    leaf (0 = no first-sight probation states); ``hedge``: weight of the uniform part of the law
-    when the prior has mass on the range (in ``(0, 1]``)."""
+    """EW prior over shared-prefix depths + the DP that places a new leaf's probation states
+    (module docstring). ``gamma``: decay per observation; ``grid``: candidate grid (tokens);
+    ``budget``: states per new leaf (0 = none); ``hedge``: weight of the uniform part of the law when
+    the prior has mass on the range (in ``(0, 1]``)."""
 
     def __init__(
         self,
@@ -612,17 +539,11 @@ class ProbationPlanner:
         """Up to ``budget`` grid positions in ``(start, end)`` (the new, not yet cached part of a
         prompt; ``end`` excluded), sorted, none in ``exclude`` and none below one grid step.
 
-        ``exclude``: the positions the request's plan captures anyway. Inside the range (past the
-        KV match) those are the tail prior's predicted divergences, named positions or a fit
-        state; the deepest of them already serves every divergence past it, so the probation
-        states, hedges against the prediction, go below it (the range ends there). Placed over the
-        whole range, the DP spent a guess on the part the planned state covers and left the rest a
-        grid step or more short (a tail-prior state at 896 of a 976-token prompt moved the second
-        guess from 576 to 640, above a divergence at 600). Planned positions lower down are only
-        excluded as candidates. (The exact optimum given the planned positions, one DP per segment
-        between them, measured worse: it spends the whole budget, also above the deepest one, and
-        cut ``sim_compare``'s rag hit rate at 5% of the footprint from 0.101 to 0.088; this rule
-        reads 0.100 there and the same or better at every other trace and size.)"""
+        ``exclude``: the positions the request's plan captures anyway (the tail prior's predicted
+        divergences, named positions, a fit state). The deepest of them inside the range already
+        serves every divergence past it, so the probation states, hedges against the prediction, go
+        below it (the range ends there); planned positions lower down are only excluded as
+        candidates."""
         if self.budget <= 0:
             return []
         skip = {int(p) for p in exclude}
@@ -679,8 +600,7 @@ class ChainTracker:
     def __init__(self, gamma: float = PRIOR_GAMMA, grid: int = DEFAULT_GRID) -> None:
         if not 0.0 < gamma < 1.0:
             raise ValueError(f"gamma must be in (0, 1), got {gamma}")
-        #: matches shallower than this (tokens) are neither continuations nor evidence (a shared
-        #: chat header is not a session)
+        #: matches shallower than this (tokens) are neither continuations nor evidence
         self.grid = int(grid)
         #: chain id -> its statistics (ids are never reused)
         self.chains: dict[int, Chain] = {}
@@ -711,15 +631,13 @@ class ChainTracker:
         """EW share (decay ``gamma`` per observation) of the requests whose KV match ended on a
         sequence-end leaf (or a chain's leaf) that continued it from its end; 0 before any. A
         workload property more than a cache one: requests that miss everything do not count, so a
-        thrashing cache does not switch the prior off (measured: agent at 10% of the footprint,
-        0.18 with a share over all requests, 0.24 with this one)."""
+        thrashing cache does not switch the prior off."""
         return self._cont / self._reach if self._reach else 0.0
 
     def prior_gap(self) -> float | None:
-        """The gap (ticks) after its last access at which a leaf no chain holds yet is expected
-        back: the mean gap of every chain so far, while :attr:`continuation_share` is at least 1/2
-        (a session workload: a new sequence is likely a session's first turn, or one whose chain
-        was evicted); ``None`` otherwise (such leaves keep their own recency)."""
+        """The gap (ticks) after its last access at which a sequence-end leaf no chain holds is
+        expected back: the mean gap of every chain so far, while :attr:`continuation_share` >= 1/2
+        (a session workload); ``None`` otherwise (such leaves keep their own recency)."""
         if not self.gaps or 2.0 * self._cont < self._reach:
             return None
         return self.gap_sum / self.gaps
@@ -767,9 +685,7 @@ class ChainTracker:
 
     def end_sequence(self, node: Node) -> int:
         """A sequence ended at ``node``: it joins the chain of its pending tip above it, if any
-        (module docstring), with the nodes between them (an engine's nodes for the same request's
-        earlier checkpoints, which the simulator's insert holds on one edge). Returns
-        ``node.chain``."""
+        (module docstring), with the nodes between them. Returns ``node.chain``."""
         if node.chain >= 0 or node.parent is None:
             return node.chain
         between: list[Node] = []
@@ -843,14 +759,11 @@ def capture_positions(
     branch_grid: int | None = None,
     tail_out: set[int] | None = None,
 ) -> list[int]:
-    """Sorted positions in ``(match.resume_depth, total_len]`` to capture for this request.
-
-    ``branch_grid`` (tokens, default ``grid``): the grid the Marconi branch point is aligned down
-    to. An engine that captures a state at any page-aligned depth inside a prefill (the in-forward
-    list capture) passes its page size, so the next request on that branch resumes exactly where
-    the two diverged instead of up to ``grid - 1`` tokens above it. ``tail_out``, if given,
-    receives the positions only the tail prior chose (no edge plan or branch point; a subset of
-    the result unless the fit state displaced them)."""
+    """Sorted positions in ``(match.resume_depth, total_len]`` to capture for this request (module
+    docstring). ``branch_grid`` (tokens, default ``grid``): the grid the Marconi branch point is
+    aligned down to (an engine capturing at any page-aligned depth passes its page size).
+    ``tail_out``, if given, receives the positions only the tail prior chose (no edge plan or
+    branch point; a subset of the result unless the fit state displaced them)."""
     if kind not in ADMISSIONS:
         raise ValueError(f"unknown admission {kind!r}; valid: {', '.join(ADMISSIONS)}")
     if total_len < input_len:

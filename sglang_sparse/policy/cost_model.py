@@ -63,10 +63,9 @@ When the engine matches KV up to depth ``d`` but the deepest recurrent checkpoin
 attention reuses KV only up to ``c``: ``prefill_flops(d - c, past_tokens=c)``
 (:meth:`ModelCostModel.node_flops_saved` with ``node_depth=d``, ``fallback_depth=c``).
 
-Marconi's reference implementation (``radix_cache_hybrid.py``) computes a node's MLP savings as
-``mlp(total) - attn(parent)`` and charges the node the KV of its *whole path*. Here node savings are
-``prefill_flops(node - fallback, past_tokens=fallback)`` (every block, with the right terms) and a node
-is charged only the KV of its *own* tokens plus its checkpoint.
+Node savings count every block (Marconi's ``radix_cache_hybrid.py`` uses ``mlp(total) -
+attn(parent)``), and a node is charged the KV of its *own* tokens plus its checkpoint (Marconi's:
+its whole path's).
 """
 
 from __future__ import annotations
@@ -352,12 +351,9 @@ class ModelCostModel:
         return {"attention": attn, "recurrent": rec, "mlp": mlp}
 
     def prefill_flops_by_kind(self, n_tokens: int, past_tokens: int = 0) -> dict[str, float]:
-        """FLOPs to prefill ``n_tokens`` new tokens after ``past_tokens`` cached tokens, by block kind.
-
-        Keys: ``"attention"`` (attention layers: projections + QK^T/PV over the causal context),
-        ``"recurrent"`` (GDN/Mamba2 layers: projections + conv + recurrence), ``"mlp"`` (dense MLP and
-        active MoE parameters of all layers). Embeddings and lm_head are excluded.
-        """
+        """:meth:`prefill_flops` by block kind: ``"attention"`` (projections + QK^T/PV over the causal
+        context), ``"recurrent"`` (GDN/Mamba2 projections + conv + recurrence), ``"mlp"`` (dense MLP and
+        active MoE parameters of all layers)."""
         n = _count(n_tokens, "n_tokens")
         past = _count(past_tokens, "past_tokens")
         return {k: float(v) for k, v in self._by_kind_int(n, past).items()}

@@ -13,140 +13,83 @@ Candidate kinds (what one eviction step removes):
   candidates: ``"all"`` or ``"interior"`` (all but the deepest checkpoint of each edge, which the
   ``leaf``/``node_states`` candidates cover).
 
-Score (lowest evicted first), over the candidates present when the eviction round starts, with
-the efficiency ``e`` min-max normalised to ``[0, 1]`` and ``t`` a candidate's clock (below):
+Score (lowest evicted first; :func:`candidate_score`), over the candidates present when the round
+starts, with the efficiency ``e`` min-max normalised to ``[0, 1]`` and ``t`` a candidate's clock:
 
-* Marconi (``recency_scale=None``): ``S = t' + alpha * e`` with ``t'`` min-max normalised too.
+* Marconi (``recency_scale=None``): ``S = t' + alpha * e`` with ``t'`` min-max normalised too (no
+  bound on how long an efficient item outlives newer ones).
 * Decayed recency (``recency_scale=tau``, logical ticks): ``S = (t - t_min) / tau + ln(1 + alpha *
   e)``, the log of ``exp(-age / tau) * (1 + alpha * e)``: a reuse chance that decays with age times
   the value of a hit. Invariant (servable candidates of one round): a candidate is evicted before
   every candidate whose clock is more than ``tau * ln(1 + alpha)`` ticks newer, whatever their
-  efficiencies. Min-max recency has no such
-  bound: with few candidates it is a rank, and ``alpha > 1`` then keeps an efficient item forever
-  while every new one is evicted as soon as it is inserted (doc_qa at 10% of the footprint: an old
-  24.8k-token document prefix kept while the next 41 requests, on other documents, all missed).
+  efficiencies.
 
 ``alpha = 0`` is pure LRU in both forms. Recency is a logical clock: ``node.last_access`` for
-leaf/node candidates; for checkpoints either their own clock (``ckpt_recency="own"``: created or last
-used as resume point; SGLang's per-component LRU) or the edge's (``"node"``).
+leaf/node candidates; for checkpoints either their own clock (``ckpt_recency="own"``: created or
+last used as resume point; SGLang's per-component LRU) or the edge's (``"node"``). With
+``chain_recency`` a candidate on an online session (:mod:`.choose`) is scored with the clock of
+:func:`effective_recency` (its session's predicted return; a superseded state of an older turn keeps
+its own clock, set back ``superseded_demotion`` ticks). Efficiency is FLOPs saved per byte
+(Marconi's): each checkpoint at ``c`` saves ``prefill_flops(c - f, past=f)`` per hit, ``f`` the next
+checkpoint up the path (the cost model's :meth:`node_flops_saved`).
 
-Online sessions (``chain_recency``; :mod:`.choose`): a candidate on a node of a chain (a session
-identified from structure: leaves continued from their end) is scored with the clock ``t = now -
-w`` instead, ``w`` the ticks until the session is predicted back (its due tick: last arrival +
-its mean gap; ``2 + ticks overdue`` once overdue), so a session due soon ranks as just used, the
-slowest sessions go first and sessions that stopped coming back age out; a sequence-end leaf no
-chain holds (a first turn, or a session whose chain was evicted) is predicted back after the
-tracker's prior gap (the mean of all sessions' gaps) while most requests reaching a leaf continue
-it. A *superseded* chain state (a state of an older turn: on a node whose only child continues its
-chain, or above a deeper state on its node) is not what the session's return resumes from, so it
-keeps its own clock (its last use as a resume point), set back ``superseded_demotion`` ticks: it
-is only a fallback for when the session's newest state is evicted, or for a request that resumes
-there (a fork from that turn, a fit state below a tip the device cannot hold). Ranking it at its
-session's due tick instead (set back the same) tied every old turn of a live session to that
-session's next return: with the logical cache of a host tier 1.5x agent's KV footprint, 60-odd old
-turns of six live sessions outranked the newest state of a session 24 requests late, which went
-first (issue 22; agent 0.944 vs native HiCache's 0.948). Measured on the agent trace (token
-hit rate at 5 / 10 / 20 / 30 / 50% of the footprint, alpha tuned): 0.104 / 0.241 / 0.586 / 0.743 /
-0.932 (0.576 / 0.741 at 20 / 30% with the due tick for superseded states), against 0.093 / 0.235
-/ 0.506 / 0.617 / 0.857 with the candidates' own clocks (sglang_native 0.035 / 0.135 / 0.418 /
-0.617 / 0.857; offline, future known, 0.239 / 0.398 / 0.693 / 0.835 / 0.939); no chain forms on
-the other three traces at these sizes, whose decisions are unchanged (with a host tier, a logical
-cache several times larger, a few form on doc_qa).
-
-Efficiency is FLOPs saved per byte (Marconi's): each checkpoint at ``c`` saves
-``prefill_flops(c - f, past=f)`` per hit, ``f`` the next checkpoint up the path (the cost model's
-:meth:`node_flops_saved`).
-
-Candidates exposed during a round (a parent becoming a leaf) are scored with the round's
-normalisation constants (and its ``now``). Single-child checkpoint-free unlocked nodes left
-behind are merged into their child. Everything is deterministic (ties broken by node uid and
-position).
+Candidates exposed during a round (a parent becoming a leaf) are scored with the round's constants
+(and its ``now``); single-child checkpoint-free unlocked nodes left behind are merged into their
+child. Everything is deterministic (ties broken by node uid and position).
 
 Implementation. ``ReferenceEvictor`` (tests/eviction_reference.py) is the specification: it
-re-enumerates and re-scores every candidate each round (tens to hundreds of ms at 10k nodes).
-:class:`Evictor` makes the same decisions (same items freed in the same order, same tree
-afterwards; checked by ``tests/test_policy_eviction.py``) from an incremental
-:class:`CandidateIndex`: the raw terms of every candidate are cached in numpy
-columns and refreshed only for nodes that changed, a round computes the normalised scores
-vectorised and pops rows in ``(score, uid, pos, kind)`` order through a lazy partial sort, merged
-with a heap of the candidates exposed during the round -- exactly the reference heap's order.
-Measured at ~12k nodes / ~20k candidates (the ``benchmarks/cache_ops.py`` tree, 2 shared cores):
-a single-leaf eviction takes 0.1-0.6 ms whether or not the tree changed since the previous one
-(reference: 100-300 ms); after an eviction primitive called from outside the evictor, ~2 ms (an
-O(n) rescan); the first round after construction or a copy builds the index (one reference round).
-The sessions' terms (due tick, superseded, provisional) are row columns like the others; the
-round turns them into clocks vectorised (a few passes: +0.15 ms per round at 20k rows with 2k
-session rows, 1.4x the round's scoring alone, ``benchmarks/cache_ops.py``); the tracker's
-bookkeeping costs ~15 us per request (agent trace). :meth:`Evictor.scores` exposes the scores a
-round starting now would use.
+re-enumerates and re-scores every candidate each round (O(n) Python). :class:`Evictor` makes the
+same decisions (same items freed in the same order, same tree afterwards;
+``tests/test_policy_eviction.py``) from :class:`CandidateIndex`: a round scores the rows vectorised
+and pops them in ``(score, uid, pos, kind)`` order (:meth:`CandidateIndex.order`, a lazy partial
+sort), merged with a heap of the candidates exposed during the round -- exactly the reference heap's
+order. Cost of a round: the changed nodes' refresh plus a few O(n) numpy passes (back-to-back
+rounds: step 3 below plus a few counter comparisons); after an eviction primitive called from
+outside, an O(n) signature rescan; the first round after construction or a copy builds the index
+(O(n) scoring, as one reference round).
 
 The candidate index (:class:`CandidateIndex`: exact, no tree hook needed)
 -----------------------------------------------------------------------
 
-The evictor's specification (``ReferenceEvictor``, tests/eviction_reference.py) re-enumerates and
-re-scores every candidate at the start of each eviction round. This index keeps, for every live
-node of the tree, the raw terms of its candidates -- ``(recency, efficiency FLOPs/byte,
-unservable, probation, session due tick, superseded, provisional)`` as ``Evictor.node_terms``
-defines them (the one definition; the index adds rows, it computes no term) -- in dense numpy
-columns, and
-refreshes only the nodes that changed since the previous round. A round then costs a few
-vectorised passes over the columns (min/max, the normalised scores, one selection) instead of
-O(n) Python scoring.
+Rows hold, for every live node, the raw terms of its candidates (:data:`Terms`, as ``node_terms``
+defines them: the index computes no term). A node's rows depend on the node itself (its
+:func:`_signature`, ``last_access``, its membership in the tree's ``evictable_leaves`` /
+``evictable_ckpt_nodes``), on its session (:meth:`CandidateTerms.chain_terms`, in the signature: a
+chain's due tick changes only when a request continues the chain, and every node of the chain is
+then on that request's observed path, so step 2 below finds them; a child joins its parent's chain
+at the end of an insert through both; the round-time parts -- ``now``, the demotion, the prior gap,
+whether chain recency is on -- are applied by :meth:`CandidateIndex.effective_recency`), and on the
+*inherited fallback* of its first checkpoint: the deepest checkpoint of the nearest ancestor holding
+one (``tree.fallback_depth``). Each node caches ``down``, the fallback it passes to its children
+(its deepest checkpoint, else its own inherited fallback); when a refreshed node's ``down`` changes,
+its children are refreshed too (transitively, stopping where it is unchanged).
 
-What a candidate's raw terms depend on (``node`` = the node holding it):
-
-* ``node`` itself: liveness, lock, children count, edge ``(start, end]``, checkpoint positions,
-  ``last_access``, ``ckpt_access``, its membership in the tree's eviction index
-  (``evictable_leaves`` / ``evictable_ckpt_nodes``);
-* its online session (:mod:`.choose`; ``Evictor.chain_terms``, part of the signature below):
-  ``node.chain`` and that chain's due tick, ``seq_end``, and whether its only child is on the same
-  chain. A chain's due tick changes only when a request continues the chain, and every node of the
-  chain is then on that request's observed path (see :mod:`.choose`), so step 2 below finds them;
-  a child joins its parent's chain at the end of an insert through both. The round-time parts
-  (the tick ``now``, the superseded demotion, the tracker's prior gap, whether chain recency is on
-  at all) are not row terms: :meth:`CandidateIndex.effective_recency` applies them vectorised;
-* the *inherited fallback* of its first checkpoint: the deepest checkpoint of the nearest ancestor
-  holding one (``tree.fallback_depth``). Each node caches ``down``, the fallback it passes to its
-  children (its deepest checkpoint, else its own inherited fallback); when a refreshed node's
-  ``down`` changes, its children are refreshed too (transitively, stopping where ``down`` is
-  unchanged).
-
-How changed nodes are found without a tree hook (:meth:`CandidateIndex.sync`), relying on these
-properties of :class:`~sglang_sparse.tree.RadixTree` (checked by the differential tests):
+How :meth:`CandidateIndex.sync` finds changed nodes, relying on these properties of
+:class:`~sglang_sparse.tree.RadixTree` (checked by the differential tests):
 
 1. nodes the evictor itself changes during a round are recorded (:meth:`CandidateIndex.touch`);
 2. ``insert`` and ``observe`` advance ``tree.clock`` and write ``last_access = clock`` on a whole
-   path from the root, which contains every node they change (new checkpoints and a refreshed
-   ``ckpt_access`` are on it). So the nodes with ``last_access`` newer than the previous sync form
-   a subtree hanging from the root: a descent through it (and through nodes never seen, i.e. new
-   ones) finds them, at the cost of the children of the nodes on those paths, not of the tree;
-3. locks also cover whole root paths: a descent through locked nodes lists them; its difference
-   with the previous list is the set of nodes whose lock state changed;
+   path from the root, which contains every node they change. So the nodes with ``last_access``
+   newer than the previous sync form a subtree hanging from the root: a descent through it (and
+   through nodes never seen) finds them, at the cost of the children of those paths' nodes;
+3. locks also cover whole root paths: a descent through locked nodes lists them; its difference with
+   the previous list is the set of nodes whose lock state changed;
 4. consistency check: the index's totals (nodes, states, KV tokens) and newest uid must equal the
-   tree's (``num_nodes``, ``num_states``, ``kv_tokens``, the uid counter). Anything else -- an
-   eviction primitive called from outside (``drop_checkpoint`` / ``drop_leaf`` / ``split_at`` /
-   ``truncate`` / ``merge_with_child``, e.g. by a caller mirroring an engine's evictions) --
-   breaks it and triggers a signature rescan (liveness, version, recency, children and checkpoint
-   counts of every registered node; O(n), ~1 us/node); should the totals still disagree, the index
-   is rebuilt from scratch (O(n) scoring, the reference round's cost).
+   tree's. Anything else -- an eviction primitive called from outside (``drop_checkpoint`` /
+   ``drop_leaf`` / ``split_at`` / ``truncate`` / ``merge_with_child``) -- breaks it and triggers a
+   signature rescan (O(n)); should the totals still disagree, the index is rebuilt.
 
-Refreshing a found node is skipped when nothing its rows read changed
-(:meth:`CandidateIndex._needs_refresh`: same checkpoints, clocks, children, lock, session terms and
-inherited fallback, and its rows do not read the
-``last_access`` that changed): along a long path every request rewrites ``last_access`` on every
-node, but for per-state recency (``ckpt_recency="own"``) only the leaf's rows read it. A node's
-inherited fallback is its parent's cached ``down`` (parents are refreshed before children), not a
-walk up the path: a refresh is O(1) however long the path above it is without a checkpoint.
+A found node is not refreshed when nothing its rows read changed
+(:meth:`CandidateIndex._needs_refresh`): every request rewrites ``last_access`` on its whole path,
+but with ``ckpt_recency="own"`` only the leaf's rows read it. A node's inherited fallback is its
+parent's cached ``down`` (parents are refreshed before children), so a refresh is O(1) however long
+the checkpoint-free path above it. Unsupported: writing node fields directly instead of calling
+``RadixTree`` methods -- call :meth:`Evictor.invalidate` afterwards.
 
-Back-to-back evictions (nothing else touched the tree) cost step 3 plus a few counter comparisons.
-Unsupported: writing node fields directly instead of calling ``RadixTree`` methods -- call
-:meth:`Evictor.invalidate` afterwards.
-
-Exactness: the rows are ``Evictor.node_terms``'s values, so a from-scratch enumeration
-(:meth:`CandidateIndex.verify`: ``candidates()`` + ``_candidate()``, fallbacks walked up the path
-instead of inherited) holds bit-identical values; the normalisation and score
-(:meth:`CandidateIndex.round_scores`) apply the reference's float operations elementwise
-(IEEE-exact in numpy, no fused operations).
+Exactness: the rows are ``node_terms``'s values, so a from-scratch enumeration
+(:meth:`CandidateIndex.verify`: fallbacks walked up the path, not inherited) holds bit-identical
+values; the normalisation and score (:meth:`CandidateIndex.round_scores`) apply the reference's
+float operations elementwise (IEEE-exact in numpy, no fused operations).
 """
 
 from __future__ import annotations
@@ -191,10 +134,9 @@ class _Info:
 
 
 def _signature(node: Node, probation: Mapping[Any, int], chain: tuple[float | None, bool]) -> tuple:
-    """Everything a node's rows depend on besides ``last_access``, its inherited fallback and its
-    depth histogram: identity/edge (``version``), children count, lock, liveness, checkpoints,
-    their clocks, which of them are on probation (a handful per node) and its chain terms
-    (``Evictor.chain_terms``: the due tick, whether its only child continues the chain)."""
+    """Everything a node's rows depend on besides ``last_access`` and its inherited fallback:
+    identity/edge (``version``), children count, lock, liveness, checkpoints, their clocks, which of
+    them are on probation (a handful per node) and its chain terms (``chain_terms``)."""
     items = node.checkpoints.items()
     return (
         node.version,
@@ -208,23 +150,21 @@ def _signature(node: Node, probation: Mapping[Any, int], chain: tuple[float | No
     )
 
 
-#: Probation tiers (values of ``Evictor.probation``): a plan's first-sight guess, and a state the
-#: engine offered that no plan asked for (kept because it cost nothing; goes before the guesses).
+#: Probation tiers (values of ``CandidateTerms.probation``): a plan's first-sight guess, and a state
+#: the engine offered that no plan asked for (kept because it cost nothing; goes before the guesses).
 PROBATION, SPARE = 1, 2
-#: Heap key of a probation candidate: ``PROBATION_KEY + recency`` (finite, below every servable
-#: candidate's score, which is >= 0 in both score forms, and above an unservable one's ``-inf``), so
-#: probation states go first, oldest first; spare ones before them (``SPARE_KEY + recency``). Ticks
-#: stay exact up to 2**52 - 2e15 (~2.5e15).
+#: Heap key of a candidate all of whose states are on probation: ``PROBATION_KEY + recency``
+#: (finite, below every servable candidate's score, which is >= 0 in both score forms, and above an
+#: unservable one's ``-inf``), so they go first, oldest first; spare ones before them (``SPARE_KEY +
+#: recency``). Ticks stay exact up to 2**52 - 2e15 (~2.5e15).
 PROBATION_KEY = -1e15
 SPARE_KEY = -2e15
 
 
 class ChainClock(NamedTuple):
-    """What a round with chain recency (``EvictionConfig.chain_recency``) needs besides the
-    candidates' terms: ``now`` (the tree's clock when the round starts, ticks), ``demote`` (ticks
-    a superseded state is set back) and ``prior`` (ticks after its recency at which a provisional
-    candidate is expected back; ``None``: the tracker has no prior, see
-    :meth:`~.choose.ChainTracker.prior_gap`)."""
+    """What a round with chain recency needs besides the terms (:func:`effective_recency`): ``now``
+    (the tree's clock when the round starts), ``demote`` and ``prior`` (ticks;
+    :meth:`~.choose.ChainTracker.prior_gap`, ``None``: no prior)."""
 
     now: float
     demote: float
@@ -258,19 +198,17 @@ def round_constants(
 def effective_recency(
     rec: float, due: float | None, sup: bool, prov: bool, clock: ChainClock | None
 ) -> float:
-    """The recency tick a candidate is scored with: its own ``rec`` without chain recency
-    (``clock is None``) or off a chain (``due is None``), unless it is provisional (a sequence-end
-    leaf no chain holds) and the tracker has a prior gap: then ``due = rec + prior``, as for a
-    chain. On a chain the session's predicted return stands in for the recency: with ``w = due -
-    now`` ticks to wait (``2 - w`` once the session is overdue, ``w < 1``: it ages one tick per tick
-    overdue), ``now - w``: the recency of an item whose age equals the predicted wait, so a session
-    due soon ranks as just used and the slowest sessions go first.
-
-    A superseded state (an older turn's, ``sup``; only on a chain) is not what the session's return
-    resumes from (its newest state is), so the due tick says nothing about its use: it keeps its own
-    ``rec`` (its last use as a resume point: a fork from that turn, or a fit state the session
-    resumes from below a tip the device cannot hold), set back ``demote`` ticks. Float operations in
-    this order (:meth:`CandidateIndex.effective_recency` repeats them)."""
+    """The recency tick a candidate is scored with (the one definition; float operations in this order,
+    which :meth:`CandidateIndex.effective_recency` repeats vectorised). ``rec`` without chain recency
+    (``clock is None``) or off a chain (``due is None``). On a chain, ``now - w`` with ``w = due - now``
+    the ticks until its session is due back (``2 - w`` once ``w < 1``: it ages one tick per tick
+    overdue): a session due soon ranks as just used, the slowest sessions go first and sessions that
+    stopped coming back age out. A provisional candidate (``prov``: a sequence-end leaf no chain holds,
+    i.e. a first turn or a session whose chain was evicted) counts as on a chain with ``due = rec +
+    prior`` when the tracker has a prior gap. A superseded state (``sup``, only on a chain: an older
+    turn's, on a node whose only child continues its chain or above a deeper state on its node) is not
+    what the session's return resumes from: it keeps its own ``rec`` (its last use as a resume point: a
+    fork from that turn, a fit state below a tip the device cannot hold), set back ``demote`` ticks."""
     if clock is None:
         return rec
     now, demote, prior = clock
@@ -314,13 +252,11 @@ def det_log1p(x: np.ndarray) -> np.ndarray:
 
 
 def candidate_score(c: Terms, k: Constants, alpha: float, decayed: bool) -> float:
-    """Score of one candidate's terms ``c`` (:data:`Terms`) under the round's constants ``k``
-    (``-inf`` if unservable, ``PROBATION_KEY + recency`` if on probation, its own recency tick; else
-    the :func:`effective_recency` normalised). ``decayed``: the efficiency enters as
-    ``ln(1 + alpha * e)`` (:func:`det_log1p`; ``e`` clamped at 0: a candidate exposed during a
-    round can lie below the round's minimum), else as ``alpha * e``.
-    :meth:`CandidateIndex.round_scores` computes the same values vectorised, with the same float
-    operations."""
+    """Score of one candidate's terms ``c`` (:data:`Terms`) under the round's constants ``k``:
+    ``-inf`` if unservable, ``PROBATION_KEY`` / ``SPARE_KEY`` + its own recency tick if on probation,
+    else the normalised :func:`effective_recency` plus ``alpha * e``, or ``ln(1 + alpha * e)`` when
+    ``decayed`` (``e`` clamped at 0: a candidate exposed during a round can lie below the round's
+    minimum). :meth:`CandidateIndex.round_scores` repeats the float operations vectorised."""
     if c[3]:
         return -math.inf
     if c[4]:
@@ -333,17 +269,13 @@ def candidate_score(c: Terms, k: Constants, alpha: float, decayed: bool) -> floa
 
 
 class CandidateIndex:
-    """Columns of the raw candidate terms, kept equal to ``Evictor.node_terms`` of every live node.
+    """Columns of the raw candidate terms, kept equal to ``node_terms`` of every live node.
 
     Invariant after :meth:`sync`: rows ``0 .. n-1`` are exactly the candidates of
-    ``Evictor.candidates()``, one row each, with
-    ``rec`` = recency (logical clock, as float), ``val`` = efficiency (FLOPs per byte; 0.0 while
-    values are off), ``dead`` = unservable, ``prob`` = the lowest probation tier of the states it
-    holds (0: one is a normal state),
-    ``chn`` = on an online session and ``due`` its due tick (0.0 off a session), ``sup`` =
-    superseded, ``prv`` = provisional (a sequence-end leaf no session holds),
-    ``uid``/``pos``/``kind`` the tie-break keys and
-    ``node``/``ver`` the node and its ``version``. Row order is arbitrary (swap-remove).
+    ``Evictor.candidates()``, one row each: ``rec``, ``val`` (0.0 while values are off), ``dead``,
+    ``prob``, ``due`` (with ``chn``: on a session; 0.0 off one), ``sup``, ``prv`` its :data:`Terms`,
+    ``uid``/``pos``/``kind`` the tie-break keys, ``node``/``ver`` the node and its ``version``. Row
+    order is arbitrary (swap-remove).
     """
 
     def __init__(self, ev: CandidateTerms) -> None:
@@ -459,9 +391,8 @@ class CandidateIndex:
     def _needs_refresh(self, node: Node, info: _Info, inherited: int) -> bool:
         """Whether ``node``'s rows may differ from the ones computed at its last refresh. False only
         when nothing they depend on changed: same signature and inherited fallback, and no
-        ``last_access`` the rows read. This
-        is what spares the interior nodes of a long path whose only change is the recency every
-        request writes on its whole path (``observe``)."""
+        ``last_access`` the rows read (this spares a long path's interior nodes, whose only change
+        is the recency every request writes on its whole path)."""
         ev = self.ev
         if (
             info.sig is None
@@ -615,9 +546,8 @@ class CandidateIndex:
         self.built = True
 
     def _locked(self) -> set[Node]:
-        """The locked nodes (except the root). They form a subtree hanging from the root (a lock
-        covers the whole path), so a descent through locked nodes finds them all: cost ~ the
-        children of locked nodes, not the tree."""
+        """The locked nodes except the root (module docstring, step 3): cost ~ the children of
+        locked nodes, not the tree."""
         out: set[Node] = set()
         stack = [self.ev.tree.root]
         while stack:
@@ -638,9 +568,7 @@ class CandidateIndex:
         self.pending = set()
         nodes = self.nodes
         if tree.clock != self.clock:
-            # insert / observe since the last sync: they write ``last_access`` on a whole path from
-            # the root, so the nodes with ``last_access > t`` form a subtree hanging from the root;
-            # descend through it (and through nodes never seen: new ones).
+            # insert / observe since the last sync (module docstring, step 2)
             t = self.clock
             stack = [tree.root]
             while stack:
@@ -716,19 +644,13 @@ class CandidateIndex:
         return eff
 
     def round_scores(self, alpha: float) -> tuple[np.ndarray, np.ndarray, Constants]:
-        """``(score, key, constants)`` over rows ``0 .. n-1`` (``n > 0``; the arrays are work
-        buffers, overwritten by the next call; ``constants`` as :func:`round_constants`, ``now`` =
-        the tree's clock).
-
-        ``score`` is :func:`candidate_score` of every row with the reference's constants
-        (:func:`round_constants`) and float operations: ``(t - rmin) / rspan`` (``t`` the
-        :meth:`effective_recency`, ``rmin`` its minimum) plus
-        ``alpha * (val - vmin) / vspan``, or its :func:`det_log1p` under decayed recency (never negative
-        here: ``val >= vmin`` on every row). ``key`` is ``score`` with ``-inf`` for unservable rows
-        (the round's heap key). With ``alpha == 0`` the efficiency term is exactly ``+0.0`` in the
-        reference (all values are 0 there; ``det_log1p(0.0) == 0.0``), so it is omitted
-        (``x + 0.0 == x`` for ``x >= 0``).
-        """
+        """``(score, key, constants)`` over rows ``0 .. n-1`` (``n > 0``; the arrays are work buffers,
+        overwritten by the next call; ``constants`` as :func:`round_constants`, ``now`` = the tree's
+        clock). ``score`` is :func:`candidate_score` of every row, probation and unservable parts aside,
+        with the reference's constants and float operations (``val >= vmin`` on every row: the clamp is a
+        no-op); ``key`` adds those parts (the round's heap key). With ``alpha == 0`` the efficiency term
+        is exactly ``+0.0`` in the reference (``det_log1p(0.0) == 0.0``), so it is omitted (``x + 0.0 ==
+        x`` for ``x >= 0``)."""
         n = self.n
         cfg = self.ev.config
         clock = self.ev.chain_clock()
@@ -857,10 +779,9 @@ class ScoredCandidate(NamedTuple):
     """One eviction candidate and the score a round starting now gives it (see :meth:`Evictor.scores`).
 
     ``kind``: :data:`LEAF` / :data:`NODE_STATES` / :data:`CKPT`; ``pos``: the checkpoint depth
-    (tokens) for ``CKPT``, -1 otherwise. ``score``: the round's score (module docstring; dimensionless,
-    in ``[0, 1 + alpha]`` with min-max recency). ``unservable``:
-    under ``drop_unservable`` the candidate is evicted before every servable one whatever its score
-    (the round orders it with key ``-inf``).
+    (tokens) for ``CKPT``, -1 otherwise. ``score``: the round's score (module docstring;
+    dimensionless, in ``[0, 1 + alpha]`` with min-max recency). ``unservable``: under
+    ``drop_unservable`` evicted before every servable one whatever its score (key ``-inf``).
     """
 
     kind: int
@@ -874,10 +795,9 @@ _Entry = tuple[float, int, int, int, Node, int]  # (score, uid, pos, kind, node,
 
 
 class CandidateTerms:
-    """Candidate enumeration and raw terms (:data:`~.evict.Terms`: recency, FLOPs/byte,
-    bytes, unservable, probation, chain due tick, superseded, provisional) shared by
-    :class:`Evictor` and its specification ``ReferenceEvictor`` in tests/eviction_reference.py (which
-    differ only in how a round finds the lowest scores)."""
+    """Candidate enumeration and raw terms (:data:`Terms`) shared by :class:`Evictor` and its
+    specification ``ReferenceEvictor`` in tests/eviction_reference.py (which differ only in how a
+    round finds the lowest scores)."""
 
     def __init__(
         self,
@@ -897,16 +817,11 @@ class CandidateTerms:
         #: cache capacity (bytes); with ``config.drop_unservable`` a checkpoint at depth ``p`` whose
         #: path needs more (``p * kv_bytes_per_token + state_bytes > capacity_bytes``) is evicted first
         self.capacity_bytes = capacity_bytes
-        #: state handles on probation -> their tier (shared with the owner, e.g.
-        #: :class:`~.cache.HybridCache`, which adds and removes them): :data:`PROBATION` (a plan's
-        #: first-sight guess) or :data:`SPARE` (a state the engine offered that no plan asked for).
-        #: A candidate all of whose states are on probation is evicted before every servable one,
-        #: spare ones first, oldest first (key ``SPARE_KEY`` / ``PROBATION_KEY + recency``). The
-        #: owner must :meth:`Evictor.touch` a node whose handles enter or leave it other than by an
-        #: insert.
+        #: state handle -> probation tier (:data:`PROBATION_KEY`), shared with the owner (e.g.
+        #: :class:`~.cache.HybridCache`), which must :meth:`Evictor.touch` a node whose handles enter
+        #: or leave it other than by an insert
         self.probation: Mapping[Any, int] = {} if probation is None else probation
-        #: online sessions (shared with the owner): with ``config.chain_recency`` a candidate on a
-        #: chain takes its recency from the chain's due tick (:func:`~.evict.effective_recency`)
+        #: online sessions (shared with the owner; :func:`effective_recency`)
         self.chains = chains
 
     def _unservable(self, pos: int) -> bool:
@@ -938,9 +853,8 @@ class CandidateTerms:
         """``(due, continued, provisional)`` of ``node`` (whatever ``config.chain_recency``: a
         round decides whether to use them, :meth:`chain_clock`): its chain's due tick (``None``: not
         on a chain, or no tracker), whether its only child is on the same chain (the session moved
-        past this node: all its states are superseded), and whether it is a leaf where a sequence
-        ended that no chain holds (a session's first turn, or one whose chain was evicted: scored
-        with the tracker's prior gap, :meth:`~.choose.ChainTracker.prior_gap`)."""
+        past this node: all its states are superseded), and whether it is a sequence-end leaf no
+        chain holds (see :func:`effective_recency`)."""
         ch = self.chains
         if ch is None:
             return None, False, False
@@ -964,21 +878,18 @@ class CandidateTerms:
         leaf_only: bool = False,
     ) -> list[tuple[int, int, Terms]]:
         """The eviction candidates of ``node``, ``(kind, pos, terms)`` each (``pos`` -1 for the node
-        kinds): the one definition the index's rows, :meth:`candidates` and the rounds read. None if
-        ``node`` is the root, dead or locked. Per ``config``: the whole leaf (``LEAF``, its KV and
-        states); the states of a single-child node together (``NODE_STATES``, with ``node_states``); each
-        checkpoint (``CKPT``; ``ckpt_scope`` ``all`` or ``interior``, the deepest one of a leaf also
-        frees the KV below the one above it).
-
-        ``terms`` (:data:`~.evict.Terms`): recency (``ckpt_recency`` own: the checkpoint's),
-        FLOPs saved per byte (computed iff ``need_value``, default ``alpha > 0``, else 0.0), bytes
-        freed, unservable (every checkpoint it holds is: evicted first), probation tier (the lowest
-        of its states: evicted next), its chain's due tick (``None`` off a chain), superseded (a
-        checkpoint on a chain with a deeper state on its node or a continued node), provisional (a
-        sequence-end leaf no chain holds; see :meth:`chain_terms`). ``inherited``: the fallback of
-        the node's first checkpoint (``tree.fallback_depth(node, node.start + 1)``, walked when
-        ``None``); ``chain``: ``chain_terms(node)`` when the caller has it; ``leaf_only``: just the
-        ``LEAF`` candidate (a round exposing a new leaf)."""
+        kinds): the one definition the index's rows, :meth:`candidates` and the rounds read. Empty if
+        ``node`` is the root, dead or locked. The kinds ``config`` enables (module docstring); a leaf's
+        deepest ``CKPT`` also frees the KV below the checkpoint above it. ``terms``
+        (:data:`~.evict.Terms`): recency (``ckpt_recency`` own: the checkpoint's), FLOPs saved per byte
+        (computed iff ``need_value``, default ``alpha > 0``, else 0.0), bytes freed, unservable (every
+        checkpoint it holds is: evicted first), probation tier (the lowest of its states: evicted next),
+        its chain's due tick (``None`` off a chain), superseded (a checkpoint on a chain with a deeper
+        state on its node or a continued node), provisional (a sequence-end leaf no chain holds; see
+        :meth:`chain_terms`). ``inherited``: the fallback of the node's first checkpoint
+        (``tree.fallback_depth(node, node.start + 1)``, walked when ``None``); ``chain``:
+        ``chain_terms(node)`` when the caller has it; ``leaf_only``: just the ``LEAF`` candidate (a round
+        exposing a new leaf)."""
         tree = self.tree
         if node.parent is None or not node.alive or node.lock_ref > 0:
             return []
@@ -1052,10 +963,9 @@ class CandidateTerms:
         raise NotImplementedError
 
     def candidates(self) -> list[tuple[int, Node, int]]:
-        """Eligible candidates ``(kind, node, pos)`` in deterministic order (pos -1 for node kinds).
-
-        Enumerates the tree's eviction index (O(n)); :class:`Evictor`'s rounds do not call it (see
-        :meth:`Evictor.scores` for the scored candidates), the reference rounds do."""
+        """Eligible candidates ``(kind, node, pos)`` in deterministic order (pos -1 for node kinds):
+        the tree's eviction index enumerated (O(n)); only the reference rounds call it (scored
+        candidates: :meth:`Evictor.scores`)."""
         tree = self.tree
         # only unlocked leaves and unlocked nodes holding checkpoints can be candidates (tree indexes)
         pool = sorted(tree.evictable_leaves | tree.evictable_ckpt_nodes, key=lambda n: n.uid)
@@ -1063,13 +973,9 @@ class CandidateTerms:
 
 
 class Evictor(CandidateTerms):
-    """Scores candidates and evicts until a byte target is met.
-
-    Decisions are those of ``ReferenceEvictor`` in tests/eviction_reference.py (the module docstring);
-    the candidate terms live in an incremental :class:`~.evict.CandidateIndex`. The index
-    notices every change made through :class:`~sglang_sparse.tree.RadixTree` methods; after writing
-    node fields directly, call :meth:`invalidate`. Copies (``copy.deepcopy``, pickling) drop the
-    index; it is rebuilt at the copy's first round.
+    """Scores candidates and evicts until a byte target is met: the decisions of ``ReferenceEvictor``
+    from the incremental :class:`CandidateIndex` (module docstring). Copies (``copy.deepcopy``,
+    pickling) drop the index; it is rebuilt at the copy's first round.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -1093,9 +999,8 @@ class Evictor(CandidateTerms):
 
     def touch(self, node: Node) -> None:
         """Record that ``node`` changed other than through the tree's clocked operations (an
-        engine-driven mirror's structural events): its candidates are refreshed at the next round
-        without an O(n) rescan. Cheaper than :meth:`invalidate`, and exact when every changed node
-        is touched."""
+        engine-driven mirror's structural events): refreshed at the next round without an O(n)
+        rescan; exact when every changed node is touched."""
         self._index.touch(node)
 
     @property
@@ -1131,9 +1036,8 @@ class Evictor(CandidateTerms):
     # ------------------------------------------------------------------ loop
 
     def _round(self, target_bytes: int, freed: Freed) -> bool:
-        """One round of the reference: candidates present now, scored with this round's min-max
-        constants, popped lowest first; candidates exposed during the round join with the same
-        constants. Rows come from the index in key order, merged with a heap of the exposed ones."""
+        """One round of the reference: rows from the index in key order (the round-start snapshot),
+        merged with a heap of the candidates exposed during the round (same constants)."""
         tree = self.tree
         idx = self._index
         idx.sync()
@@ -1201,9 +1105,8 @@ class Evictor(CandidateTerms):
         self, leaf: Node, freed: Freed, heap: list[_Entry], score: Callable[[tuple], float]
     ) -> None:
         """After the deepest checkpoint of ``leaf`` was evicted, drop the leaf's KV below its new
-        deepest checkpoint (all of the leaf if none is left): no request can resume there, so it
-        is dead weight. SGLang's MambaComponent does the same: evicting a leaf's state evicts the
-        leaf (``_evict_device_next_node``)."""
+        deepest checkpoint (all of the leaf if none is left): no request can resume there. As
+        SGLang's MambaComponent (``_evict_device_next_node``: evicting a leaf's state evicts the leaf)."""
         tree = self.tree
         ck = leaf.checkpoints
         if ck:

@@ -28,9 +28,8 @@ from typing import Any
 DEFAULT_LOAD_BANDWIDTH = 25e9
 #: Prefill throughput (FLOP/s) assumed when none is given: ~40% of an H100's dense bf16 peak.
 DEFAULT_DEVICE_FLOPS = 400e12
-#: What reaches the host: ``write_back`` copies a state (with the KV it needs) when the device
-#: evicts it; ``write_through`` copies every state when it is cached on the device (SGLang's
-#: ``--hicache-write-policy`` names).
+#: SGLang's ``--hicache-write-policy`` names: ``write_back`` copies a state (with the KV it needs)
+#: to the host when the device evicts it, ``write_through`` when it is cached on the device
 WRITE_POLICIES = ("write_back", "write_through")
 
 
@@ -83,15 +82,11 @@ class HostTierConfig:
 
 
 class HostCost:
-    """The cost model of a logical two-tier cache's evictor: ``cost`` with every checkpoint's FLOPs
-    saved per hit reduced by its expected load, ``host_share`` (0..1) times the load of the state and
-    of the KV between it and its fallback (never below 0). Everything else is ``cost``'s (attribute
-    access is delegated) except the bytes, which are the ones the loads are priced with, so it can
-    stand wherever a :class:`~.cost_model.ModelCostModel` does.
-
-    ``kv_bytes_per_token`` / ``state_bytes`` (bytes): what a load moves, when the engine's pools
-    hold other sizes than ``cost``'s model (the SGLang adapter passes its pools' bytes); default
-    ``cost``'s."""
+    """The cost model of a logical two-tier cache's evictor: ``cost`` with :meth:`node_flops_saved`
+    net of the expected load (module docstring). Everything else is ``cost``'s (attribute access is
+    delegated) except the bytes, the ones the loads are priced with, so it can stand wherever a
+    :class:`~.cost_model.ModelCostModel` does. ``kv_bytes_per_token`` / ``state_bytes`` (bytes): what
+    a load moves when the engine's pools hold other sizes than ``cost``'s model (default ``cost``'s)."""
 
     def __init__(
         self,
@@ -130,7 +125,7 @@ class HostCost:
 
     def node_flops_saved(self, pos: int, fallback: int) -> float:
         """FLOPs a hit at ``pos`` saves net of its expected load (``host_share`` x the state and the
-        KV of ``pos - fallback`` tokens)."""
+        KV of ``pos - fallback`` tokens; never below 0)."""
         load = self.load_state_bytes + max(0, pos - fallback) * self.load_kv_bytes
         saved = self.cost.node_flops_saved(pos, fallback)
         return max(0.0, saved - self.host_share * self.config.load_flops(load))

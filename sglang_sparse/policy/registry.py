@@ -14,43 +14,19 @@ sparse_dp      DP plan + last token                   LRU (leaves, node states, 
                                                       by their own recency)
 sparse         DP plan on the path + Marconi branch   per component (leaves whole, every state by its
                point + learned tail prior on the new  own recency as a resume point), decayed
-               leaf (last token only if requests      recency + ln(1 + alpha * FLOPs/byte): an
-               continue leaves); no learned position  item outlives a newer one by at most
-               shallower than one grid step; a fit    tau * ln(1 + alpha) ticks; alpha tuned by
-               state at the deepest grid point that   warm replay; states that cannot fit with
-               fits when the sequence does not; up    their prefix go first (the leaf is cut back
-               to 2 first-sight states + an           to the next state), then probation states;
-               unplanned last token on probation      online sessions (chains of leaves continued
-                                                      from their end): recency = now - predicted
-                                                      wait for the session's return (its mean gap;
-                                                      overdue ones age out), superseded states
-                                                      (older turns): their own recency set
-                                                      back 2 tau
+               leaf; a fit state when the sequence    recency + ln(1 + alpha * FLOPs/byte), alpha
+               does not fit; up to 2 first-sight      tuned by warm replay; unservable states
+               states + an unplanned last token on    first, then probation ones; online sessions
+               probation (:mod:`.choose`)             by their predicted return (:mod:`.evict`)
 oracle         as sparse, per-edge law = the whole    as sparse (simulator only: needs a law
                trace's true overlap depths            provider)
 =============  =====================================  ==============================================
 
-Published baselines (simulator only; :data:`PUBLISHED_POLICIES`, implemented in
-:mod:`sglang_sparse.sim.published_caches` line by line after github.com/ruipeterpan/marconi, the
-Marconi paper's simulator). They keep the
-reference's own tree (a state at every node end, eviction before insertion by an estimate, no
-locks), so they are not :class:`PolicySpec` entries and never reach the SGLang adapter:
-
-=====================  ====================================  =======================================
-name                   admission                             eviction
-=====================  ====================================  =======================================
-sglang_plus_published  whole input + output; branch state    LRU heap over leaves only, whole path
-                       at the exact split depth (also inside  stamped on match and insert
-                       an earlier output)                    (``evict_v1``)
-marconi_published      as sglang_plus_published              nodes with <= 1 child by alpha *
-                                                             FLOPs/byte + recency, only the deepest
-                                                             matched node stamped; alpha tuned once
-                                                             at 5x the requests before the first
-                                                             eviction, replaying from an empty tree
-                                                             (``evict_v2``, ``config_tuner.py``)
-vllm_plus_published    32-token blocks, a trailing partial   LRU heap over leaf blocks; soft cap
-                       block filled in place                 (``radix_cache_vllm.py``)
-=====================  ====================================  =======================================
+Published baselines (simulator only; :data:`PUBLISHED_POLICIES`) are implemented, each class
+documenting its admission and eviction, in :mod:`sglang_sparse.sim.published_caches`, line by line
+after github.com/ruipeterpan/marconi (the Marconi paper's simulator). They keep the reference's own
+tree (a state at every node end, eviction before insertion by an estimate, no locks), so they are
+not :class:`PolicySpec` entries and never reach the SGLang adapter.
 """
 
 from __future__ import annotations
@@ -74,24 +50,13 @@ class PolicySpec:
 
 
 _MARCONI_EVICT = EvictionConfig(node_states=True, ckpt_scope="none", ckpt_recency="node")
-# The product default evicts per component (every checkpoint by its own recency as a resume point,
-# leaves whole, as SGLang's MambaComponent does) plus Marconi's FLOP-aware term. Measured on the
-# traces: node-level recency keeps obsolete interior states of live agent sessions (every turn walks
-# their path), and letting the tuner switch granularity per window was unstable (agent at 20% of the
-# footprint: 0.29 vs 0.46 token hit rate), so the granularity is fixed. Recency decays on a scale of
-# SPARSE_RECENCY_SCALE ticks (:mod:`.evict`): Marconi's min-max recency let alpha keep an
-# efficient item forever (see docs/sparse_backend.md, "Eviction score", for the measured effect).
+# sparse: per component (every state by its own recency as a resume point, leaves whole, as SGLang's
+# MambaComponent) + Marconi's FLOP term, decayed recency. Figures: docs/sparse_backend.md "Eviction score"
 #: decayed-recency time scale of ``sparse`` (logical ticks; the simulator ticks twice per request,
 #: at match and at insert: 20 ticks = 10 requests)
 SPARSE_RECENCY_SCALE = 20.0
-#: ticks a superseded state of an online session is set back (see :mod:`.choose`): two recency
-#: scales. Measured on agent (token hit rate at 20 / 30 / 50% of the footprint, alpha tuned) when a
-#: superseded state ranked at its session's due tick minus this: 0 ticks 0.433 / 0.632 / 0.750, 10:
-#: 0.519 / 0.725 / 0.852, 20: 0.531 / 0.706 / 0.918, 40: 0.576 / 0.741 / 0.932, 1000 (in effect:
-#: right after probation) the same as 40. Since it ranks at its own last use minus this (issue 22):
-#: 0 ticks 0.498 / 0.646 / 0.886, 20: 0.567 / 0.743 / 0.928, 40: 0.586 / 0.743 / 0.932, 80 the same
-#: as 40 (with a host tier, agent's 10 points of sim_compare_host.json: 80 higher at 3 of them, by
-#: up to 0.009, lower at one, by 0.005; not retuned).
+#: ticks a superseded state of an online session is set back (:func:`.evict.effective_recency`):
+#: two recency scales
 SPARSE_SUPERSEDED_DEMOTION = 2 * SPARSE_RECENCY_SCALE
 _SPARSE_EVICT = EvictionConfig(
     node_states=False,

@@ -1,18 +1,14 @@
 """Alpha tuner for FLOP-aware eviction (Marconi sec. 4.2).
 
-The tuner replays a bootstrap window of recent requests once per alpha of a grid, in parallel with
-a :class:`concurrent.futures.ProcessPoolExecutor`, and keeps the alpha with the best score
-(FLOPs saved by default). Ties keep the alpha in use (``current``) when it is on the grid, otherwise
-they go to the earlier grid entry: on a window where several alphas evict the same items the replay
-says nothing about them, and switching would only lose what the current alpha was chosen for.
-Results are collected in grid order (``Executor.map``), so the choice never depends on process
-completion order. By default it tunes **once**, on the first window (as Marconi does); with
-``retune=True`` it asks to re-tune whenever the hit rate of a window drifts from the one measured
-right after the last tuning. Measured on the four bundled traces (``benchmarks/sim_compare.py``,
-5-50% of the footprint): drift re-tuning chose, from one window's replay, alphas that lost on the
-next windows of the agent trace (30% and 50%: token hit rate 0.601 / 0.833 vs 0.617 / 0.857 for
-SGLang's own policy, which tuning once matches exactly), while its gains elsewhere were at most
-2.4 points (system_prompts at 50%); a server whose traffic changes for good can opt in.
+The tuner replays a bootstrap window of recent requests once per alpha of a grid, in parallel with a
+:class:`concurrent.futures.ProcessPoolExecutor`, and keeps the alpha with the best score (FLOPs
+saved by default). Ties keep the alpha in use (``current``) when it is on the grid, otherwise they
+go to the earlier grid entry: on a window where several alphas evict the same items the replay says
+nothing about them, and switching would only lose what the current alpha was chosen for. Results are
+collected in grid order (``Executor.map``), so the choice never depends on process completion order.
+By default it tunes **once**, on the first window (as Marconi does); with ``retune=True`` it asks to
+re-tune whenever the hit rate of a window drifts from the one measured right after the last tuning
+(opt-in: docs/sparse_backend.md, ``SGLANG_SPARSE_RETUNE``).
 
 The replay itself is supplied by the caller as a picklable ``evaluate(alpha) -> score`` (the
 simulator provides one; an engine adapter can pass the same function over its logged requests), so
@@ -52,8 +48,7 @@ class AlphaTuner:
     def tune(
         self, evaluate: Callable[[float], float], at_request: int = 0, current: float | None = None
     ) -> float:
-        """Score every alpha of the grid with ``evaluate`` and return the best (on ties ``current``
-        if it is on the grid, else the first)."""
+        """Score every alpha of the grid with ``evaluate`` and return the best (ties: module docstring)."""
         if self.workers == 1 or len(self.grid) == 1:
             scores = [evaluate(a) for a in self.grid]
         else:
@@ -62,9 +57,8 @@ class AlphaTuner:
         return self.choose(scores, at_request=at_request, current=current)
 
     def choose(self, scores: Sequence[float], at_request: int = 0, current: float | None = None) -> float:
-        """The decision of :meth:`tune` from the grid's ``scores`` (in grid order), computed
-        elsewhere (e.g. a worker process): the best alpha, on ties ``current`` if it is on the grid,
-        else the first. Recorded in :attr:`history`."""
+        """The decision of :meth:`tune` from the grid's ``scores`` (in grid order) computed elsewhere
+        (e.g. a worker process); recorded in :attr:`history`."""
         if len(scores) != len(self.grid):
             raise ValueError(f"{len(scores)} scores for a grid of {len(self.grid)} alphas")
         best = max(range(len(scores)), key=lambda i: (scores[i], -i))

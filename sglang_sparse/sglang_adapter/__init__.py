@@ -1,12 +1,9 @@
 """SGLang 0.5.23 adapter: `--radix-cache-backend sparse` (the only sglang_sparse package importing SGLang).
 
-* :mod:`.plugin` -- entry point ``register()`` and the backend factory (no top-level SGLang import).
-* :mod:`.config` -- ``SGLANG_SPARSE_*`` / ``SGLANG_SPARSE_CONFIG`` options, validated (no SGLang).
-* :mod:`.tree_policy` -- the policy on a token-free mirror of SGLang's tree: capture plan, admission,
-  eviction order, alpha tuning, stats (no SGLang).
-* :mod:`.cache` -- ``SparseRadixCache`` / ``SparseMambaComponent`` / prefill adder (imports SGLang).
-
-See ``docs/sparse_backend.md``.
+SGLang is imported at top level only by :mod:`.cache` and :mod:`.capture` (loaded by the backend
+factory, in the scheduler); :mod:`.plugin` (entry point ``register()``, factory, hooks),
+:mod:`.config` (options), :mod:`.tree_policy` (the policy on a token-free mirror of SGLang's tree),
+:mod:`.model_cost` and :mod:`.metrics` do not. See ``docs/sparse_backend.md``.
 """
 
 from .config import SparseConfig, SparseConfigError

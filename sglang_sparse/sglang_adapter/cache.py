@@ -2,24 +2,13 @@
 
 One tree: SGLang's. The policy (:class:`~sglang_sparse.sglang_adapter.tree_policy.TreePolicy`)
 keeps a token-free mirror of it keyed by SGLang node ids, changed only by SGLang's structural
-events, which these classes forward:
-
-* :class:`SparseTreeCore` -- SGLang's Python ``UnifiedTreeCore`` that reports new nodes, splits,
-  removed leaves and resets to the policy (registered as the tree core ``sparse_python``);
-* :class:`SparseMambaComponent` -- ``MambaComponent`` with policy admission
-  (``prepare_for_caching_req`` returns 0 for an unplanned mid-request checkpoint), state
-  attach/free events, and a policy eviction order (``_evict_device_*``; with HiCache the host's
-  state drop, ``drive_host_eviction``), keeping SGLang's leaf-vs-tombstone semantics;
-* :class:`SparseFullComponent` -- ``FullComponent`` whose KV-leaf eviction walk follows the
-  policy: a leaf holding a state by that state's policy key, a leaf without one first;
-* :class:`SparseRadixCache` -- the ``UnifiedRadixCache`` that owns the policy, plans each request
-  from SGLang's own match (no token is re-matched or copied), publishes statistics and checks the
-  mirror against SGLang's tree on demand (:meth:`SparseRadixCache.check_policy_mirror`);
-* :func:`sparse_prefill_adder_class` -- ``PrefillAdder`` subclass that ends prefill chunks at the
-  planned capture positions; with ``--mamba-radix-cache-strategy no_buffer`` SGLang checkpoints
-  the exact recurrent state at every chunk end.
-
-See ``docs/sparse_backend.md`` for the design, its limits and the SGLang call sites.
+events, which these classes forward: :class:`SparseTreeCore` (SGLang's Python tree core, registered
+as ``sparse_python``: new nodes, splits, removed leaves, resets), :class:`SparseMambaComponent`
+(admission, state attach/free, the policy's state eviction order keeping SGLang's leaf-vs-tombstone
+semantics), :class:`SparseFullComponent` (the policy's KV-leaf eviction order),
+:class:`SparseRadixCache` (owns the policy, plans each request from SGLang's own match with no token
+re-matched, statistics, mirror checks) and :func:`sparse_prefill_adder_class` (ends prefill chunks
+at planned positions). ``docs/sparse_backend.md`` has the design, its limits and the call sites.
 """
 
 from __future__ import annotations
@@ -111,16 +100,14 @@ class _LeafSet(set):
 
 class SparseTreeCore(UnifiedTreeCore):
     """SGLang's Python tree core, reporting structural events to ``self.policy`` (set by the cache).
-
     Every node is created by ``_new_node`` and attached by ``_add_new_node`` (a new edge) or
     ``_split_node`` (a new upper half; the child keeps its id), and detached only by
     ``_remove_leaf_from_parent``; ``reset`` rebuilds the root. Those four are the events."""
 
     policy: TreePolicy | None = None
-    #: ``(node id, depth in tokens)``: the next insert's key is known to start with the tokens of
-    #: the path from the root to that node (set by :meth:`SparseRadixCache.checkpoint_into_tree`:
-    #: the request's locked node and its protected length; consumed by the next
-    #: :meth:`begin_insert`, whether it uses it or not)
+    #: ``(node id, depth in tokens)``: the next insert's key starts with the tokens of the path to
+    #: that node (:meth:`SparseRadixCache.checkpoint_into_tree` sets the request's locked node and
+    #: protected length; the next :meth:`begin_insert` consumes it, whether it uses it or not)
     insert_hint: tuple[Any, int] | None = None
     #: inserts whose walk started from the hint / fell back to SGLang's walk from the root
     hinted_inserts = 0
@@ -445,8 +432,6 @@ class SparseMambaComponent(MambaComponent):
             if x is not None:
                 seen.add(h)
                 yield x, True
-        # SGLang's LRU order for the rest, read in full before the first of them is yielded: the
-        # caller evicts what it gets, and the list cannot be walked past a node it no longer holds.
         if host:
             lru = self.tree_core.host_lru_lists[self.component_type]
             first, prev = lru.get_lru_no_host_lock, lru.get_prev_no_host_lock
@@ -537,14 +522,11 @@ class SparseMambaComponent(MambaComponent):
 
     def drive_host_eviction(self, num_tokens, tracker, device_frees, host_frees, cache_actions):
         """HiCache, host state pool short: drop host-only states in the policy's eviction order
-        (states on probation first, then the policy's key), not SGLang's host LRU (the order the
-        device demoted them in). The host holds what the logical cache (device + host) keeps
-        beyond the device, so what it drops is what the logical cache loses: the policy's
-        decision, as in the simulator's host tier (``policy/host_tier.py``). The device side stays
-        SGLang's LRU demotion (nothing is lost there). Each step is SGLang's own: a host leaf is
-        evicted whole (KV + state, ``_evict_host_leaf``), an internal node loses its host state
-        only (tombstone + cascade). States the policy offers no candidate for follow in SGLang's
-        host LRU order. With sessions SGLang's own walk runs (its cursor skips pinned leaves)."""
+        (:meth:`_walk_order`), not SGLang's host LRU: what the host drops is what the logical cache
+        (device + host) loses, the policy's decision as in the simulator's host tier; the device
+        side stays SGLang's LRU demotion (nothing is lost there). Each step is SGLang's own: a host
+        leaf is evicted whole (``_evict_host_leaf``), an internal node loses its host state only
+        (tombstone + cascade). With sessions SGLang's own walk runs (its cursor skips pinned leaves)."""
         if not _host_policy_walk(self.tree_core):
             return super().drive_host_eviction(num_tokens, tracker, device_frees, host_frees, cache_actions)
         ct = self.component_type
@@ -568,14 +550,9 @@ class SparseMambaComponent(MambaComponent):
 
 
 class SparseFullComponent(FullComponent):
-    """KV component whose device-eviction walk (KV pool short) takes leaves in the policy's order.
-
-    Key of a leaf: the policy key of the recurrent state it holds (exactly the simulator's
-    :class:`~sglang_sparse.policy.Evictor` candidates and scores, frozen at the walk's start); a
-    leaf without a state comes first (no request can resume inside it, its KV is dead weight);
-    states the policy does not score follow the scored ones; ties keep SGLang's priority (LRU by
-    default). Parents exposed during the walk are keyed the same way. With sessions or HiCache
-    enabled the walk is SGLang's own."""
+    """KV component whose device-eviction walk (KV pool short) takes leaves in the policy's order
+    (:class:`_KVWalk`: a leaf without a state first, its KV is dead weight); SGLang's own walk where
+    :func:`_device_policy_walk` says so."""
 
     def _policy_walk(self) -> bool:
         return _device_policy_walk(self.tree_core, self.cache.policy)
@@ -617,13 +594,11 @@ class SparseFullComponent(FullComponent):
         self.cache.maybe_check_invariants("KV eviction")
 
     def drive_host_eviction(self, num_tokens, tracker, device_frees, host_frees, cache_actions):
-        """HiCache, host KV pool short: drop host leaves in the policy's order, the device walk's key
-        (:class:`_KVWalk`: leaves holding no state in either tier first, then the policy's key of
-        the host-only state a leaf holds, unscored states last, ties SGLang's priority), not SGLang's
-        host LRU. Each step is SGLang's own (``_evict_host_leaf``: the leaf's KV and state, then
-        tombstoned parents); a parent it exposes joins the walk with its own key. SGLang's
-        write-back duplicate reclaim runs before this (``UnifiedTreeCore.drive_host_eviction``).
-        With sessions SGLang's own walk runs."""
+        """HiCache, host KV pool short: drop host leaves in the device walk's order
+        (:class:`_KVWalk`), not SGLang's host LRU. Each step is SGLang's own (``_evict_host_leaf``:
+        the leaf's KV and state, then tombstoned parents); a parent it exposes joins the walk.
+        SGLang's write-back duplicate reclaim (``UnifiedTreeCore.drive_host_eviction``) runs
+        first. With sessions SGLang's own walk runs."""
         tc = self.tree_core
         if not _host_policy_walk(tc):
             return super().drive_host_eviction(num_tokens, tracker, device_frees, host_frees, cache_actions)
@@ -643,18 +618,16 @@ class SparseFullComponent(FullComponent):
 
 class _KVWalk:
     """The KV walk's order over SGLang's evictable device (or, for the host drop, host) leaves,
-    built lazily.
-
-    Key of a leaf ``n``: ``(rank, base(n), n.id)`` (smallest first), ``rank`` being ``(0, 0.0)``
-    for a leaf without a state, ``(0, 1.0)`` for a speculative state, ``(1, k)`` for a state the
-    policy scores with key ``k`` (the round frozen at the walk's start), ``(2, 0.0)`` for a state it
-    does not score; ``base`` is SGLang's priority (LRU by default). This is exactly the order of
-    SGLang's own walk (a heap of every leaf) with that key, but only the leaves without a state and
-    the speculative ones are keyed up front (one pass over the leaves); scored states enter from the
-    policy's lazily sorted stream as the walk reaches their key, and unscored ones only once that
-    stream is exhausted. Parents exposed by an eviction are pushed with their own key. Cost at the
-    start: set operations on the leaf ids (:class:`_LeafSet`) and the mirror's state ids, a key for
-    each leaf without a state, and the policy round's vectorised scoring; each pop is O(log n)."""
+    built lazily. Key of a leaf ``n``: ``(rank, base(n), n.id)`` (smallest first), ``rank`` being
+    ``(0, 0.0)`` for a leaf without a state, ``(0, 1.0)`` for a speculative state, ``(1, k)`` for a state
+    the policy scores with key ``k`` (the round frozen at the walk's start), ``(2, 0.0)`` for a state it
+    does not score; ``base`` is SGLang's priority (LRU by default). This is exactly the order of SGLang's
+    own walk (a heap of every leaf) with that key, but only the leaves without a state and the speculative
+    ones are keyed up front (one pass over the leaves); scored states enter from the policy's lazily
+    sorted stream as the walk reaches their key, and unscored ones only once that stream is exhausted.
+    Parents exposed by an eviction are pushed with their own key. Cost at the start: set operations on the
+    leaf ids (:class:`_LeafSet`) and the mirror's state ids, a key for each leaf without a state, and the
+    policy round's vectorised scoring; each pop is O(log n)."""
 
     DEAD = (0, 0.0)
     SPEC = (0, 1.0)
@@ -737,9 +710,8 @@ class SparseRadixCache(UnifiedRadixCache):
     def __init__(self, params, *, policy: TreePolicy, kv_bytes_per_token: int, state_bytes: int):
         self.policy = policy
         self._pending_match: dict[str, tuple[int, int, int | None]] = {}
-        #: extra_buffer: rid -> depth (tokens) of its exact finish track, for the requests whose plan
-        #: expects a continuation (set once at planning, dropped at release; see
-        #: :func:`~.capture.refine_decode_tracks`)
+        #: extra_buffer: rid -> depth (tokens) of the exact finish track of a request whose plan expects
+        #: a continuation (set at planning, dropped at release; :func:`~.capture.refine_decode_tracks`)
         self.finish_tracks: dict[str, int] = {}
         self._kv_bytes = int(kv_bytes_per_token)
         self._state_bytes = int(state_bytes)
@@ -809,9 +781,8 @@ class SparseRadixCache(UnifiedRadixCache):
     def end_sequence_at_lock(self, req) -> None:
         """A finished request inserted nothing at its finish (its last state was already in the
         tree, or none was kept): its sequence ended, as far as the tree's KV goes, at the deepest
-        node it inserted (the node its tree lock holds), the rest of its key recorded as that
-        leaf's tail. Not while a deeper capture of it is still to be published (that one marks the
-        end). Never raises into SGLang."""
+        node it inserted (its lock's), the rest of its key recorded as that leaf's tail. Not while a
+        deeper capture of it is still to be published (that one marks the end). Never raises."""
         if getattr(self, "_capture_pending", {}).get(req.rid):
             return
         node_id = getattr(getattr(req, "lock", None), "node", None)
@@ -942,7 +913,8 @@ class SparseRadixCache(UnifiedRadixCache):
 
 @functools.cache
 def sparse_prefill_adder_class() -> type:
-    """The ``PrefillAdder`` subclass that cuts prefill chunks at planned capture positions."""
+    """The ``PrefillAdder`` subclass that cuts prefill chunks at planned capture positions (with
+    no_buffer SGLang checkpoints the exact recurrent state at every chunk end)."""
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
     class SparsePrefillAdder(PrefillAdder):

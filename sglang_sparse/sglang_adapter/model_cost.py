@@ -39,10 +39,8 @@ ARCHITECTURES: dict[str, str] = {
 
 
 def model_cost(hf_config: Any) -> ModelCostModel:
-    """The cost model of the model SGLang serves (``model_config.hf_config``).
-
-    Raises ValueError naming the architecture when it is not in :data:`ARCHITECTURES`.
-    """
+    """The cost model of the model SGLang serves (``model_config.hf_config``). Raises ValueError naming
+    the architecture when it is not in :data:`ARCHITECTURES`."""
     arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
     if arch not in ARCHITECTURES:
         raise ValueError(f"no cost model for architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")

@@ -1,18 +1,14 @@
 """SGLang general plugin: registers ``--radix-cache-backend sparse`` (entry point target).
 
-``pyproject.toml``::
-
-    [project.entry-points."sglang.srt.plugins"]
-    sparse = "sglang_sparse.sglang_adapter.plugin:register"
-
-SGLang calls :func:`register` (no arguments) in every process it starts (launcher, tokenizer,
-scheduler, detokenizer). It registers the backend factory, three hooks and the four in-forward
-capture hooks; this module imports nothing from SGLang at top level (the heavy classes live in
+SGLang calls :func:`register` (no arguments; ``pyproject.toml``'s ``sglang.srt.plugins`` entry
+point ``sparse``) in every process it starts (launcher, tokenizer, scheduler, detokenizer). It
+registers the backend factory and the ``HookRegistry`` hooks (listed in ``docs/sparse_backend.md``,
+"Running"); this module imports nothing from SGLang at top level (the heavy classes live in
 :mod:`.cache` and :mod:`.capture`, imported by the factory, which runs only in the scheduler).
 
-Plugin exceptions are only logged by SGLang, so :func:`register` validates nothing; all validation
-happens in :func:`sparse_cache_factory`, which runs in the scheduler while it builds its cache, and
-whose exceptions abort server start-up.
+SGLang only logs plugin exceptions, so :func:`register` validates nothing: the launcher hook
+(:func:`_server_args_hook`) fails fast, and :func:`sparse_cache_factory` re-checks everything in the
+scheduler, where its exceptions abort server start-up.
 """
 
 from __future__ import annotations
@@ -215,10 +211,9 @@ def _grid_option_problems(config: Any, page: int) -> list[str]:
 
 
 def _server_args_hook(result, *args, **kwargs):
-    """Fail fast in the launcher: SGLang only logs plugin exceptions, and a factory exception in the
-    scheduler ends the whole process group with SIGKILL. A bad option or flag combination for
-    ``--radix-cache-backend sparse`` instead ends ``launch_server`` / ``sglang serve`` here, before
-    any subprocess starts, with the message on stderr and exit code 2."""
+    """Fail fast in the launcher (SGLang only logs plugin exceptions, and a factory exception in the
+    scheduler SIGKILLs the process group): a bad option or flag combination ends ``launch_server`` /
+    ``sglang serve`` here, before any subprocess starts, message on stderr, exit code 2."""
     if getattr(result, "radix_cache_backend", None) == BACKEND_NAME:
         problems = launcher_problems(result)
         if problems:
@@ -232,12 +227,10 @@ def _adder_class_hook(original_fn, self, *args, **kwargs):
     if getattr(getattr(self, "tree_cache", None), "is_sparse", False):
         from .cache import sparse_prefill_adder_class
 
-        # --- begin: Prometheus metrics (issue 12; sglang_sparse.sglang_adapter.metrics) ---
-        if _metrics_enabled():
+        if _metrics_enabled():  # Prometheus gauges (.metrics)
             from .metrics import maybe_update
 
             maybe_update(self.tree_cache)
-        # --- end: Prometheus metrics ---
         return sparse_prefill_adder_class()
     return original_fn(self, *args, **kwargs)
 
@@ -253,11 +246,9 @@ def _metrics_enabled() -> bool:
 
 
 def _internal_state_hook(result, self, state, *args, **kwargs):
-    """Add ``state["sparse_cache"]`` (this rank's statistics) and ``state["sparse_cache_ranks"]``
-    (every TP rank's, in rank order, gathered over the CPU group of the ranks that process this
-    request) plus ``state["sparse_cache_ranks_agree"]``; they show up in ``/server_info``
-    ``internal_states``. SGLang replies from TP rank 0 only, so without the gather the other ranks'
-    caches would be invisible."""
+    """Add ``state["sparse_cache"]`` (this rank's statistics), ``state["sparse_cache_ranks"]`` (every
+    TP rank's, in rank order: SGLang replies from TP rank 0 only) and
+    ``state["sparse_cache_ranks_agree"]`` to ``/server_info``'s ``internal_states``."""
     cache = getattr(getattr(self, "scheduler", None), "tree_cache", None)
     if not getattr(cache, "is_sparse", False):
         return result
@@ -362,10 +353,9 @@ def _cost_model(ctx: Any):
 
 def engine_state_bytes(req_to_token_pool: Any) -> int | None:
     """Bytes of one recurrent state (one Mamba pool slot, all recurrent layers of this rank) as
-    SGLang's device pool holds it: the conv and temporal tensors' row per slot, plus any side state
-    riding on the slot, the same sum as ``MambaPoolHost.get_size_per_token`` (``pool_host/mamba.py``).
-    So ``SGLANG_MAMBA_SSM_DTYPE`` / ``SGLANG_MAMBA_CONV_DTYPE`` and TP sharding are what the pool
-    allocated. ``None`` when the pool has no Mamba tensors to read (not a SGLang hybrid pool)."""
+    SGLang's device pool holds it (so its dtypes and TP sharding): the conv and temporal tensors'
+    row per slot plus any side state riding on the slot, the sum ``MambaPoolHost.get_size_per_token``
+    takes. ``None`` when the pool has no Mamba tensors to read (not a SGLang hybrid pool)."""
     pool = getattr(req_to_token_pool, "mamba_pool", None)
     if pool is None:
         return None
@@ -440,10 +430,10 @@ def measure_load_bandwidth(device: Any, nbytes: int = 8 << 20, repeats: int = 5)
 def measure_device_flops(device: Any, n: int | None = None, repeats: int = 3) -> tuple[float, str]:
     """Dense FLOP/s of ``device`` and the dtype it was timed in: the median of ``repeats`` timed
     ``n x n @ n x n`` matmuls (``2 n^3`` FLOPs each; one untimed warm-up), bf16 with ``n = 4096`` on
-    an accelerator, fp32 with ``n = 1024`` on the CPU. It pairs with :func:`measure_load_bandwidth`
-    (same device, same moment, so both read the same load on a shared machine): their ratio prices
-    a host load in prefill FLOPs. A matmul's rate is an upper bound on prefill's, so the load charge
-    errs high by at most prefill's efficiency (~0.4-0.6 on a GPU)."""
+    an accelerator, fp32 with ``n = 1024`` on the CPU. Taken with :func:`measure_load_bandwidth` (same
+    device and moment), their ratio prices a host load in prefill FLOPs; a matmul's rate is an upper
+    bound on prefill's, so the charge errs high by at most prefill's efficiency (~0.4-0.6 on a
+    GPU)."""
     import statistics
     import time
 
@@ -485,12 +475,9 @@ def host_pool_sizes(host_pool_group: Any) -> dict[str, tuple[int, int]]:
 
 def host_tier_config(cache: Any, ctx: Any, config: Any, device: Any) -> Any:
     """The policy's :class:`~sglang_sparse.policy.host_tier.HostTierConfig` for SGLang's HiCache
-    below ``cache``: budget = the host pools' bytes (:func:`host_pool_sizes`), write policy from
-    ``--hicache-write-policy`` (SGLang's ``write_back``; its write-through variants write every
-    cached item to the host: ``write_through``), load bandwidth ``SGLANG_SPARSE_HOST_BANDWIDTH`` or
-    measured (:func:`measure_load_bandwidth`), device FLOP/s ``SGLANG_SPARSE_DEVICE_FLOPS`` or
-    measured (:func:`measure_device_flops`).
-    ``None`` when SGLang attached no host pool."""
+    below ``cache`` (``None`` when SGLang attached no host pool): budget = the host pools' bytes,
+    write policy ``write_back`` or (any of SGLang's write-through variants) ``write_through``, load
+    bandwidth and device FLOP/s from the options or measured."""
     from sglang_sparse.policy.host_tier import HostTierConfig
 
     group = getattr(cache, "host_pool_group", None)
@@ -639,11 +626,8 @@ def sparse_cache_factory(ctx: Any):
             capture = "cut"
     write_policy = getattr(ctx.server_args, "hicache_write_policy", None) or "write_through"
     if capture == "forward" and ctx.enable_hierarchical_cache and write_policy != "write_through":
-        # Both run (the storm test covers forward with write-back), but with write-back the chunk
-        # cuts keep more on the measured slices (docs/sparse_backend.md, "Host tier"): forward
-        # read doc_qa 17,786 / system_prompts 30,994 prefilled (native HiCache 21,492 / 29,918,
-        # above it at some prefixes) against cut's 14,964 / 29,022; agent 7,930 vs cut's 9,262.
-        # Write-through keeps the CPU default (not measured on the slices).
+        # Both run, but with write-back the chunk cuts keep more on the measured slices
+        # (docs/sparse_backend.md, "Host tier"); write-through keeps the CPU default.
         if not _capture_explicit():
             logger.info(
                 "sparse cache: HiCache %s: capture=cut by default (SGLANG_SPARSE_CAPTURE=forward "
@@ -669,11 +653,9 @@ def sparse_cache_factory(ctx: Any):
     # The policy's grid: where it may place states. extra_buffer snapshots states (and the KV match
     # resumes) only on the state grid; no_buffer keeps the 64-token chunk grid by default.
     grid = config.grid if config.grid is not None else max(state_grid, DEFAULT_GRID)
-    # The branch point: off the grid it needs a state at any page-aligned depth inside a prefill
-    # (the in-forward list capture, or no_buffer's checkpoint at a cut chunk end, one more forward
-    # each). Auto: the grid. Exact (the page size; the grid point below then goes on probation)
-    # is opt-in: it lifts doc_qa / system_prompts but its two states per branch push first-sight
-    # states out of a small state pool (docs/sparse_backend.md).
+    # Branch and tail grids off the state grid need a state at any page-aligned depth inside a
+    # prefill (in-forward capture, or no_buffer's checkpoint at a cut chunk end). Branch grid auto:
+    # the grid (docs/sparse_backend.md, SGLANG_SPARSE_BRANCH_GRID, says why exact is opt-in).
     off_grid = capture == "forward" or not extra_buffer
     for env, value in (("BRANCH_GRID", config.branch_grid), ("TAIL_GRID", config.tail_grid)):
         if value is not None and not off_grid and value % state_grid:
@@ -683,11 +665,8 @@ def sparse_cache_factory(ctx: Any):
                 "states only there)"
             )
     branch_grid = config.branch_grid if config.branch_grid is not None else grid
-    # The tail prior's positions (a new leaf's predicted divergences): at the predicted depth itself
-    # (aligned to the page) where a state there costs a copy (in-forward capture), else on the grid
-    # below it (on the cut path each off-grid state is one more forward). Measured with the exact
-    # divergence planned by the DP (docs/sparse_backend.md): doc_qa 76% -> 80%, system_prompts
-    # 75% -> 80% of the perfect saving over native_eb; before that it lost system_prompts' slack.
+    # Tail prior positions: at the predicted depth (page-aligned) where a state there costs a copy
+    # (in-forward capture), else on the grid below it (on the cut path each one is a forward).
     if config.tail_grid is not None:
         tail_grid = config.tail_grid
     else:

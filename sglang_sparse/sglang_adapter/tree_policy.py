@@ -4,60 +4,27 @@ SGLang's ``UnifiedRadixCache`` is the one authority on what is cached (tokens, K
 pool slots, locks). The policy keeps, next to it, a :class:`~sglang_sparse.tree.MirrorTree`: one
 token-free node per SGLang node, keyed by SGLang's node id and changed only by SGLang's structural
 events (new node, split, leaf removed, state attached, state freed, reset). On it runs the very
-code the simulator runs, through :class:`~sglang_sparse.policy.HybridCache`:
-
-* **capture** -- :meth:`TreePolicy.plan`: once per request, from SGLang's own match (the node its KV
-  match ends on, the KV and state-aligned depths) with no token re-matched: ``observe`` (clock,
-  recency, per-edge depth histograms, DP re-plans, tail prior) + ``capture_plan``;
-* **keep** -- :meth:`TreePolicy.admit`: a mid-request checkpoint is kept iff its position is planned;
-  finish states always;
-* **evict** -- :meth:`TreePolicy.eviction_order` / :meth:`TreePolicy.state_key`: the states in the
-  order of the policy's :class:`~sglang_sparse.policy.Evictor` (same candidates, same normalised
-  ``recency + alpha * FLOPs/byte`` score, online sessions ranked by when they are due back),
-  read lazily from its incremental candidate index. Sessions come from the same events: a match
-  ending at a leaf's end continues it (``plan``), the request's final insert (``on_insert`` with
-  ``finished``) hangs its sequence on that session (:mod:`sglang_sparse.policy.choose`);
-* **alpha** -- :meth:`TreePolicy.finish` feeds the tuning window; a tuning run replays it on a
-  simulator copy of SGLang's tree taken (flat, node by node) when the window began, in a worker
-  process (:class:`~sglang_sparse.sim.replay_worker.ReplayWorker`, off the scheduler's CPU), and
-  its alpha is applied at a fixed logical time (``tune_window // 4`` finished requests after the
-  window closed), so every TP rank applies the same alpha at the same request.
+code the simulator runs, through :class:`~sglang_sparse.policy.HybridCache`: **capture**
+(:meth:`TreePolicy.plan`: once per request, from SGLang's own match, no token re-matched), **keep**
+(:meth:`TreePolicy.admit`), **evict** (:meth:`TreePolicy.eviction_order`,
+:meth:`TreePolicy.scored_states`: the :class:`~sglang_sparse.policy.Evictor`'s candidates and score,
+read lazily from its incremental candidate index) and **alpha** (:meth:`TreePolicy.finish`: each
+tuning window is replayed in a worker process, :mod:`sglang_sparse.sim.replay_worker`, from a flat
+copy of SGLang's tree taken when the window began; its alpha applies ``tune_window // 4`` finished
+requests after the window closed, so every TP rank switches at the same request). Online sessions come
+from the same events: a match ending at a leaf's end continues one (``plan``), a request's final
+insert (``on_insert`` with ``finished``) hangs its sequence on it.
 
 Memory: O(nodes) for the mirror; the tuning window holds the token ids of its requests (the
 replay's input) and the snapshot of the tree it replays from, while a window is open.
 Everything is a deterministic function of the request stream: logical clocks, no wall time.
 
-Positions a request names itself (:func:`request_checkpoints`)
---------------------------------------------------------------
-
-Planned states of the ``sparse`` backend from the first request on.
-
-An application often knows where its prompts will diverge: a chat has a system prompt and turns, a
-RAG framework knows where its retrieved document ends. The backend plans a state at such positions
-(not on probation) the first time a request names them, so the second request on a new system
-prompt or document resumes there without any learned prior.
-
-Two sources, both carried in SGLang's ``sampling_params.custom_params`` (JSON-safe, it travels to
-the scheduler with the request on every path; :data:`CHECKPOINTS_KEY`):
-
-* a hint in the request body: ``/generate`` with
-  ``"sampling_params": {"custom_params": {"sparse_checkpoints": [1024, 2048]}}`` (token positions:
-  the state after the first ``p`` prompt tokens), or ``/v1/chat/completions`` with
-  ``"custom_params": {"sparse_checkpoint_messages": [2]}`` (the state after the first 2 messages,
-  whatever the chat template makes of them; OpenAI clients pass it in ``extra_body``);
-* message boundaries of ``/v1/chat/completions``, automatically: the end of the leading system
-  message(s) and the end of the messages before the last one (the previous turn).
-
-A chat boundary after ``j`` messages is the longest common token prefix of the prompt rendered from
-the first ``j`` messages (with SGLang's own chat-template code path) and the full prompt: exactly
-what this conversation shares with any other that continued differently after message ``j``,
-whatever the template does at message edges (:func:`chat_boundaries`). That costs one template
-render and tokenization per boundary in the HTTP server process, never in the scheduler.
-
-In the scheduler, :func:`request_checkpoints` reads the positions of a request: ints in
-``(0, len(prompt))``, at most :data:`MAX_CHECKPOINTS`, sorted, deduplicated; anything else is
-ignored (a hint is advice; a bad one must not fail the request). The policy floors them to its grid
-when SGLang can only snapshot states there (extra_buffer).
+Positions a request names itself (planned, not on probation, from the first request on; the request
+format is in ``docs/sparse_backend.md``, "Positions the request names"): they travel in SGLang's
+``sampling_params.custom_params`` (JSON-safe, it reaches the scheduler with the request on every
+path) under :data:`CHECKPOINTS_KEY`. Chat message boundaries (:func:`add_chat_boundaries`) are
+computed in the HTTP server process, one template render and tokenization per boundary, never in
+the scheduler, where :func:`request_checkpoints` reads them.
 """
 
 from __future__ import annotations
@@ -158,22 +125,18 @@ class PolicyStats:
     #: tuning replays started (a window whose hit rate drifted, or the first one)
     tune_runs: int = 0
     tune_failures: int = 0
-    #: CPU seconds the replay worker process has used (read when a tuning run is applied; the
-    #: replay runs there, not in the scheduler): a reading, never an input to a decision
+    #: CPU seconds the replay worker process has used (read when a tuning run is applied)
     tune_worker_cpu_s: float = 0.0
-    #: wall seconds the scheduler waited for a replay that had not finished at its logical time
-    #: (the worker is in the idle scheduling class: on a saturated machine it runs when nothing
-    #: else wants the core); a reading, never an input to a decision
+    #: wall seconds the scheduler waited for a replay late at its logical time (the worker runs in
+    #: the idle scheduling class). Neither reading is ever an input to a decision
     tune_wait_s: float = 0.0
 
 
 class TreePolicy:
-    """Policy state and decisions of the ``sparse`` backend (see the module docstring).
-
-    ``root_id``: SGLang's root node id (the mirror's root). Events come from the SGLang adapter
-    (:mod:`.cache`): :meth:`on_node_added`, :meth:`on_node_split`, :meth:`on_leaf_removed`,
-    :meth:`on_state_set`, :meth:`on_state_freed`, :meth:`on_insert`, :meth:`reset`.
-    """
+    """Policy state and decisions of the ``sparse`` backend (see the module docstring). ``root_id``:
+    SGLang's root node id (the mirror's root). Events come from the SGLang adapter (:mod:`.cache`):
+    :meth:`on_node_added`, :meth:`on_node_split`, :meth:`on_leaf_removed`, :meth:`on_state_set`,
+    :meth:`on_state_freed`, :meth:`on_insert`, :meth:`reset`."""
 
     def __init__(
         self,
@@ -211,14 +174,12 @@ class TreePolicy:
         self.reset(root_id)
 
     def set_host_tier(self, host: HostTierConfig) -> None:
-        """Score two tiers, as the simulator does (``sim/simulator.py``, :mod:`~sglang_sparse.policy.
-        host_tier`): the policy's cache becomes the logical cache (``host.logical_bytes`` of the
-        device's ``budget_bytes``) and, for a FLOP-aware policy with ``config.host_cost``, every
-        state's FLOPs saved are net of its expected load (:class:`HostCost` with this policy's bytes:
-        the host's share of the logical cache x the load of the state and its KV). ``fit_tokens`` (the
-        device's KV pool; without one, what fits in the device's bytes) stays: the forward runs on the
-        device. Call before anything is cached (the
-        backend factory, right after SGLang attached its host pools)."""
+        """Score two tiers as the simulator does (:mod:`~sglang_sparse.policy.host_tier`): the
+        policy's cache becomes the logical cache (``host.logical_bytes`` of the device's
+        ``budget_bytes``) and, for a FLOP-aware policy with ``config.host_cost``, a state's FLOPs
+        saved are net of its expected load (:class:`HostCost`). ``fit_tokens`` stays the device's
+        (the forward runs there). Call before anything is cached (the backend factory, right after
+        SGLang attached its host pools)."""
         if self.mirror.num_nodes or self._plans:
             raise RuntimeError("set_host_tier: the cache already holds requests")
         self.host = host
@@ -351,10 +312,9 @@ class TreePolicy:
 
     def on_insert(self, node_id: int, *, finished: bool = False, seq_len: int | None = None) -> None:
         """A checkpoint inserted through ``node_id`` (its path's recency, as the simulator's insert);
-        ``finished``: the request's final insert, so a sequence ended at ``node_id``'s end (it
-        joins the online session it continued, as the simulator's insert: see
-        :meth:`HybridCache.end_sequence <sglang_sparse.policy.HybridCache.end_sequence>`);
-        ``seq_len``: that sequence's cache key length (tokens), when SGLang kept less of it."""
+        ``finished``: the request's final insert, so a sequence ended at ``node_id``'s end and joins
+        the online session it continued (``HybridCache.end_sequence``); ``seq_len``: that
+        sequence's cache key length (tokens), when SGLang kept less of it."""
         node = self._guard(
             "insert", functools.partial(self.mirror.touch_path, seq_len=seq_len), node_id, finished
         )
@@ -385,8 +345,8 @@ class TreePolicy:
     ) -> RequestPlan:
         """The request's capture plan from SGLang's match of its prompt (``kv_node_id``: the node
         its KV match ends on, at depth ``engine_kv``; ``engine_prefix``: the state-aligned depth it
-        resumes from; ``named``: prompt positions the request named itself, see :func:`request_checkpoints`).
-        The first call per ``rid`` observes the match; later calls return the plan."""
+        resumes from; ``named``: :func:`request_checkpoints`). The first call per ``rid`` observes
+        the match; later calls return the plan."""
         p = self._plans.get(rid)
         if p is not None:
             return p
@@ -405,9 +365,7 @@ class TreePolicy:
             # It resumed from a first-sight guess and now captures where it really diverges.
             self.stats.superseded += int(self.cache.supersede(m))
         cuts = tuple(q for q in positions if engine_prefix < q < n)
-        # A continuation is expected from evidence, not from the cold start's last-token guess:
-        # this request continues a sequence's end itself (a session turn: its planned finish,
-        # even on probation), or the warm tail prior planned a state past the prompt.
+        # exact_finish: see wants_exact_finish
         past = [q for q in positions if q > n]
         planned_past = any(q not in cp.probation for q in past)
         warm = self.cache.tail.observations >= TAIL_WARMUP
@@ -432,14 +390,11 @@ class TreePolicy:
         return p is None or (bool(p.positions) and p.positions[-1] > p.input_len)
 
     def wants_exact_finish(self, rid: str) -> bool:
-        """Is a later request expected to continue ``rid`` exactly at its end, so the engine should
-        keep the finish state at the end of its key rather than on its grid? Yes when the plan holds
-        a position past the prompt and that comes from evidence: ``rid`` itself continues a
-        sequence's end (a session turn; its finish may be on probation when the warm tail prior
-        puts little mass on continuations), or the plan holds a normal (not probation) position
-        past the prompt and the tail prior is warm. The cold start's last-token guess does not
-        count (an exact copy there displaced first-sight states under pool pressure). A request
-        without a plan: no (engine behaviour)."""
+        """Should the engine keep ``rid``'s finish state at the end of its key rather than on its
+        grid (a later request is expected to continue it exactly)? Yes when the plan holds a
+        position past the prompt from evidence: ``rid`` continues a sequence's end itself (a session
+        turn, even on probation), or that position is a normal one and the tail prior is warm. The
+        cold start's last-token guess does not count. No plan: no (engine behaviour)."""
         p = self._plans.get(rid)
         return p is not None and p.exact_finish
 
@@ -467,19 +422,16 @@ class TreePolicy:
 
         * a request without a plan (not admitted through our adder) keeps SGLang's behaviour;
         * a planned position, whatever offers it (a finish too: on extra_buffer a request that
-          finishes in its last extend offers SGLang's grid snapshot inside the prompt): kept; a
-          position the plan keeps on probation (a first-sight guess): kept on probation (the next
-          state attached, :meth:`on_state_set`, is evicted before every normal state until a
-          request resumes from it);
-        * the finish at any other depth (the engine ends the sequence wherever it stops, at most
-          ``total_len``): kept if the plan wants a state past the prompt, on probation if only a
-          probation one;
+          finishes in its last extend offers SGLang's grid snapshot inside the prompt): kept, on
+          probation if the plan keeps it there (the state :meth:`on_state_set` attaches next is
+          evicted before every normal state until a request resumes from it);
+        * the finish at any other depth (wherever the engine stops, at most ``total_len``): kept if
+          the plan wants a state past the prompt, on probation if only a probation one;
         * anything else (an unplanned chunk end or prompt end, which the engine computed anyway):
           a *spare* state, kept (lower still than probation) only while probation is on
           (``SGLANG_SPARSE_PROBATION`` > 0) and it takes a free slot (``free_slots`` > 0, before
-          this one is allocated) or an older spare state's; else rejected. So however many chunk
-          ends the chunk size makes, they never displace a planned or first-sight state, and the
-          states a request keeps beyond them do not depend on the chunk size."""
+          this one is allocated) or an older spare state's; else rejected. So chunk ends never
+          displace a planned or first-sight state, whatever the chunk size."""
         self._clear_next()
         p = self._plans.get(rid)
         if p is None:
@@ -487,9 +439,6 @@ class TreePolicy:
             self.stats.ckpt_admitted += int(not finished)
             return True
         if position in p.positions:
-            # Also a finish that offers a planned depth: on extra_buffer a request that finishes in
-            # the extend that computed it (max_new_tokens=1) offers SGLang's own grid snapshot
-            # there, at its real depth inside the prompt.
             self._owner_next = rid
             self.stats.ckpt_final += int(finished)
             self._tail_next = position in p.tail
@@ -561,13 +510,12 @@ class TreePolicy:
         return key.copy(), idx.node, idx.uid[:n], idx.kind[:n], idx.pos[:n]
 
     def eviction_order(self) -> Iterator[int]:
-        """State handles (SGLang node ids) in the policy's eviction order, lazily: the first costs
-        one vectorised pass over the candidates; later ones come in chunks of growing size. A
-        handle covered by several candidates comes at its lowest key; states on probation (see
-        :meth:`admit`) come first, oldest first (their key, :data:`PROBATION_KEY` + recency). The
-        caller skips handles that are locked or gone and falls back to its own order when this
-        runs out (also if another eviction round starts before this one is consumed: the rows it
-        reads are then stale). Handles in :attr:`protected` are skipped."""
+        """State handles (SGLang node ids) in the policy's eviction order, lazily (the first costs
+        one vectorised pass over the candidates, later ones come in chunks of growing size): a
+        handle covered by several candidates at its lowest key, states on probation first (oldest
+        first), handles in :attr:`protected` never. The caller skips locked or gone handles and
+        falls back to its own order when this runs out (also when another eviction round starts
+        before this one is consumed: its rows are then stale)."""
         self.stats.eviction_walks += 1
         seen: set[int] = set(self.protected)
         key, nodes, _, _, _ = self._round()
@@ -645,11 +593,10 @@ class TreePolicy:
         output_ids: Sequence[int],
         export_tree: Callable[[], Iterable[EngineNode]] | None = None,
     ) -> None:
-        """A request left the engine: drop its plan, feed the alpha tuner's window.
-
-        ``export_tree`` describes SGLang's tree (parents first) for the tuning snapshot; it is
-        called once per window, when the window begins. Never raises: a tuning failure is logged
-        and the alpha in use is kept."""
+        """A request left the engine: drop its plan, feed the alpha tuner's window. ``export_tree``
+        describes SGLang's tree (parents first) for the tuning snapshot; it is called once per window,
+        when the window begins. Never raises: a tuning failure is logged and the alpha in use is
+        kept."""
         p = self._plans.pop(rid, None)
         self._own.pop(rid, None)
         self.stats.finished += 1
@@ -722,13 +669,10 @@ class TreePolicy:
         self.stats.alpha_tunes.append((self.stats.finished, a))
 
     def engine_snapshot(self, engine_nodes: Iterable[EngineNode]) -> CacheSnapshot:
-        """A flat :class:`~sglang_sparse.policy.CacheSnapshot` of the engine's tree (each edge's
-        tokens, copied once) plus this policy's per-node state (recency, histograms, plans,
-        checkpoint clocks, sequence ends, online-session ids), tail prior, online sessions
-        (:class:`~sglang_sparse.policy.choose.ChainTracker`) and alpha, taken now: what a warm tuning
-        replay starts from
-        (``HybridCache.from_snapshot`` builds an independent simulator cache per replay).
-        Iterative; the engine lists parents before children."""
+        """A flat :class:`~sglang_sparse.policy.CacheSnapshot`, taken now, of the engine's tree
+        (each edge's tokens, copied once) plus this policy's per-node state, tail prior, online
+        sessions and alpha: what a warm tuning replay starts from (``HybridCache.from_snapshot``
+        builds an independent cache per replay). Iterative; the engine lists parents first."""
         src = self.mirror
         b = TreeSnapshotBuilder(self._kv_bytes, self._state_bytes, root_uid=src.root.uid)
         index = {src.root.uid: 0}

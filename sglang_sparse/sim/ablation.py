@@ -13,9 +13,8 @@ Eviction ``knowledge`` (the rank of a servable state; lowest evicted first):
   the state was captured or last resumed from (+1): recency stands in for the next use.
 * ``superseded``: knows only what the cache's own structure shows: a state that later requests
   pass but resume deeper (a multi-turn session's older turn once the next turn holds a deeper
-  state) goes first; everything else by ``benefit / (bytes * age)``. (Online this is "a deeper
-  state below it on its only chain"; the two agree unless a later request leaves the chain between
-  the two states, which no request of the agent trace does.)
+  state) goes first; everything else by ``benefit / (bytes * age)``. (Online: "a deeper state
+  below it on its only chain", the same unless a later request leaves the chain between the two.)
 * ``recency``: no future knowledge in eviction: everything by ``benefit / (bytes * age)``.
 * ``predicted``: online only: ``superseded`` states first, then ``benefit / (bytes * wait)`` with
   ``wait`` the *predicted* requests until the state's session returns: its last request plus the

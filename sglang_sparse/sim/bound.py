@@ -32,9 +32,9 @@ and request ``i`` can hit at most ``m_i = min(lcp_i, cap, len_i)`` tokens. So th
 saves are at most the fractional knapsack over items ``(m_i, F(m_i))`` with the hit-token bound as
 capacity (fill by ``F(m_i) / m_i``, best first).
 
-Both figures are also capped by the per-request bound of the previous version
-(``hit_i <= min(lcp_i, cap, len_i)`` summed; kept in ``per_request_*``), which the packing bound
-never exceeds. A policy allowed to exceed the budget (a soft cap) can exceed the bound.
+Both figures are also capped by the looser per-request bound (``hit_i <= min(lcp_i, cap, len_i)``
+summed; ``per_request_*``), which the packing bound never exceeds. A policy allowed to exceed the
+budget (a soft cap) can exceed the bound.
 """
 
 from __future__ import annotations
@@ -53,11 +53,9 @@ from .trace import SimRequest
 
 @dataclass(frozen=True)
 class HeadroomBound(HitRates):
-    """Upper bounds for one trace and cache size (tokens, FLOPs).
-
-    ``hit_tokens`` / ``flops_saved``: the packing bound (the one tables report);
-    ``per_request_hit_tokens`` / ``per_request_flops_saved``: the looser per-request bound.
-    """
+    """Upper bounds for one trace and cache size (tokens, FLOPs). ``hit_tokens`` / ``flops_saved``: the
+    packing bound (the one tables report); ``per_request_hit_tokens`` / ``per_request_flops_saved``: the
+    looser per-request bound."""
 
     cache_bytes: int
     input_tokens: int
@@ -75,13 +73,11 @@ class HeadroomBound(HitRates):
 
 @dataclass(frozen=True)
 class ReuseProfile:
-    """What the bound needs from a trace, independent of the cache size.
-
-    ``depths[j]``: ``lcp_j`` (tokens of request ``j``'s input that some earlier input + output
-    starts with). ``intervals``: ``int64 [P, 3]`` rows ``(k, j, tokens)`` with ``k < j``: request
-    ``j`` reuses ``tokens`` tokens whose most recent earlier visitor is ``k`` (per ``j`` they sum to
-    ``depths[j]``). ``input_lens[j]``: tokens of request ``j``'s input.
-    """
+    """What the bound needs from a trace, independent of the cache size. ``depths[j]``: ``lcp_j``
+    (tokens of request ``j``'s input that some earlier input + output starts with). ``intervals``:
+    ``int64 [P, 3]`` rows ``(k, j, tokens)`` with ``k < j``: request ``j`` reuses ``tokens`` tokens
+    whose most recent earlier visitor is ``k`` (per ``j`` they sum to ``depths[j]``).
+    ``input_lens[j]``: tokens of request ``j``'s input."""
 
     depths: tuple[int, ...]
     intervals: np.ndarray

@@ -44,10 +44,9 @@ def first_bit(mask: int) -> int | None:
 @dataclass(frozen=True, slots=True)
 class Demand:
     """A depth (tokens) of a sequence where later requests leave it or stop (they resume there).
-
-    ``depth``: absolute position on the sequence; ``mask``: every request (past or future) whose
-    input starts with the sequence's first ``depth`` tokens (the requests a state at ``depth``
-    could serve); ``leaving``: the subset that leaves the sequence (or ends) exactly at ``depth``."""
+    ``depth``: absolute position on the sequence; ``mask``: every request (past or future) whose input
+    starts with the sequence's first ``depth`` tokens (the requests a state at ``depth`` could serve);
+    ``leaving``: the subset that leaves the sequence (or ends) exactly at ``depth``."""
 
     depth: int
     mask: int

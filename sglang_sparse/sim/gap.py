@@ -18,13 +18,13 @@ reference gets and the policy does not, by the kind of the reference's state and
 did not resume there: ``evicted`` (it had captured that state, or one fewer than ``grid`` tokens
 above it on the same prefix when ``catalog`` is given, and evicted it before the request),
 ``first divergence`` (it never held it and no earlier request diverged there: only future
-knowledge, a prior or a hint could have placed it; :meth:`StateCatalog.seen_before`, needs the
-``catalog`` argument of :func:`compare`), ``not captured`` (it never held it although an earlier
-request had diverged there), ``grid`` (it resumed fewer than ``grid`` tokens shallower).
+knowledge, a prior or a hint could have placed it; needs ``catalog``), ``not captured`` (it never
+held it although an earlier request had diverged there), ``grid`` (it resumed fewer than ``grid``
+tokens shallower).
 
 Run ``python -m sglang_sparse.sim.gap --trace agent --fracs 0.2 0.3 0.5`` (tables on stdout,
-``--out FILE`` for JSON; ``--ablations`` adds :mod:`.ablation`'s table: offline with part of the
-future hidden).
+``--out FILE`` for JSON; ``--ablations`` adds :mod:`.ablation`'s offline with part of the future
+hidden).
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ KINDS = ("finish", "branch", "mid")
 
 
 class StateCatalog:
-    """Kind and identity of a state from the trace alone (module docstring); shared by ledgers.
-
-    ``grid`` (tokens): how far below a branch point a state still counts as that branch point."""
+    """Kind and identity of a state from the trace alone (module docstring); shared by ledgers. ``grid``
+    (tokens): how far below a branch point a state still counts as that branch point."""
 
     def __init__(self, requests: Sequence[SimRequest], grid: int = 64) -> None:
         self.requests = requests
@@ -106,9 +105,8 @@ class StateCatalog:
 
     def seen_before(self, j: int, key: tuple[int, int]) -> bool:
         """Whether a request before ``j`` diverged within one grid step below the state ``key``
-        (same prefix, depth in ``[p, p + grid)``): an online policy had observed that divergence
-        before request ``j`` and could have planned the state; otherwise request ``j`` is the
-        first to diverge there and only a prior (probation) or a hint could have placed it."""
+        (same prefix, depth in ``[p, p + grid)``), so an online policy could have planned it;
+        otherwise ``j`` is a *first divergence* there (module docstring)."""
         p = key[1]
         div = self.divergence_depths()
         for i in range(j):

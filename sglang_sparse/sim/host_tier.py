@@ -13,10 +13,8 @@ makes it the most recent), the rest is on the host. Per request, in tokens / byt
   device-resident when the request arrives (bytes), i.e. whose last use is older than the device's
   most recent ``device_bytes`` of items. The result's ``load_bytes`` sums them and ``load_flops``
   converts them into prefill FLOPs of device time (``HostTierConfig.load_flops``), so
-  ``net_flops_saved_frac`` charges every policy for its host traffic.
-
-Loads are charged, never refused: SGLang loads whatever host prefix matches. A device hit is a hit
-with no load; a result without a host tier has ``load_bytes == 0``.
+  ``net_flops_saved_frac`` charges every policy for its host traffic. Loads are charged, never
+  refused (SGLang loads whatever host prefix matches); without a host tier ``load_bytes == 0``.
 """
 
 from __future__ import annotations

@@ -10,17 +10,15 @@ or before its KV match, token hit = resume depth, and after every request the ca
 **Admission** (request ``i`` inserts its input + output ``F`` after resuming at ``r``): a state at
 every depth ``p`` of ``F`` with ``r < p <= len(F)`` where some later request leaves ``F`` or stops
 (:meth:`FutureIndex.demands`: its KV match on ``F``, the depth it would resume at), at the exact
-depth by default. Exact depths are what the engine can capture (the default in-forward capture writes
-states at any position, off the 64-token grid by advancing the chunk-start state; the simulated
-policies also hold off-grid states, at edge ends and last tokens); ``grid=g`` floors every depth but
-the last token to a multiple of ``g`` instead (SGLang's chunk-end states). A depth whose state cannot
-stay cached with its prefix (``p * kv_bytes_per_token + state_bytes > budget_bytes``) is replaced by
-the deepest one that can (``fit_tokens``; the ``sparse`` policy's fit state). A depth inside the
-request's output (not its last token) moves to the prompt end: the engine's decode keeps only the
-finish state (SGLang ``no_buffer``; none of the four benchmark traces has such a demand).
-Whether a captured state is worth its bytes is left to eviction, which runs right after the
-insert: capturing is free in the simulator, so "capture, then evict what is not worth keeping" is
-the same as admitting only what eviction would keep.
+depth by default (the engine's in-forward capture writes states at any position; the simulated
+policies also hold off-grid states); ``grid=g`` floors every depth but the last token to a multiple
+of ``g`` instead (SGLang's chunk-end states). A depth whose state cannot stay cached with its prefix
+(``p * kv_bytes_per_token + state_bytes > budget_bytes``) is replaced by the deepest one that can
+(``fit_tokens``; the ``sparse`` policy's fit state). A depth inside the request's output (not its
+last token) moves to the prompt end: the engine's decode keeps only the finish state (SGLang
+``no_buffer``; none of the four benchmark traces has such a demand). Whether a captured state is
+worth its bytes is left to eviction, right after the insert (capturing is free in the simulator, so
+this equals admitting only what eviction would keep).
 
 **Eviction** (Belady-style, byte-weighted, with dependencies; until ``bytes_used <= budget``):
 
@@ -41,19 +39,12 @@ the same as admitting only what eviction would keep.
 
 This is a strong heuristic reference, not an optimum: caching with sizes, values and prefix
 dependencies is NP-hard in general (byte-weighted caching alone is), Belady's rule is optimal only
-for unit sizes and values, and states are placed at the demand depths only (the policy never keeps
-a shallower prefix of a sequence as a partial hit unless the sequence does not fit the cache). The
+for unit sizes and values, and states are placed at the demand depths only (the policy never keeps a
+shallower prefix of a sequence as a partial hit unless the sequence does not fit the cache). The
 headroom bound (:mod:`.bound`) stays the upper bound; ``offline`` is a reachable schedule below it.
-Everything is deterministic (ties by node uid and position). The ranking is :meth:`OfflineCache._rank`
-(:mod:`.ablation` hides parts of the future through it).
-
-Measured alternatives (token hit rate at 30% of the footprint, agent / doc_qa / system_prompts /
-rag; ``benchmarks/sim_compare.py`` traces): this rule 0.835 / 0.776 / 0.600 / 0.233; without the
-benefit term (size-weighted Belady, ``1 / (bytes * (j - now))``) 0.808 / 0.708 / 0.457 / 0.225;
-the benefit summed over every later use, each weighted ``1 / (j - now)``, 0.835 / 0.769 / 0.600 /
-0.233; on the 64-token grid 0.835 / 0.785 / 0.595 / 0.214 (doc_qa above the exact depths: the
-heuristic is not monotone in what it is allowed to do). Cost: the 20 (trace, size) points of
-``sim_compare`` take about 4 s together.
+Everything is deterministic (ties by node uid and position). The ranking is
+:meth:`OfflineCache._rank` (:mod:`.ablation` hides parts of the future through it). The alternatives
+measured against this rule: ``docs/offline_reference.md``.
 """
 
 from __future__ import annotations
@@ -102,9 +93,8 @@ class Served:
 
 class OfflineCache:
     """The ``offline`` policy on a :class:`RadixTree` of ``budget_bytes`` bytes (module docstring).
-
-    Drive it with :meth:`serve` for requests ``0, 1, ...`` of the trace ``future`` was built from,
-    in order (the future is indexed by request position)."""
+    Drive it with :meth:`serve` for requests ``0, 1, ...`` of the trace ``future`` was built from, in
+    order (the future is indexed by request position)."""
 
     def __init__(
         self,

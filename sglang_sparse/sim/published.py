@@ -30,13 +30,11 @@ def simulate_published(
     check: bool = False,
     **cache_kwargs: object,
 ) -> SimResult:
-    """Replay ``requests`` through the published baseline ``policy`` of ``cache_bytes`` bytes.
-
-    ``cost``: a :class:`ModelCostModel` (bytes and FLOPs of that model) or a
-    :class:`~sglang_sparse.sim.published_caches.MarconiModel` (the reference's own formulas).
-    ``alpha`` fixes Marconi's weight (no tuning); ``check`` asserts the tree's counters per request;
-    ``cache_kwargs`` go to the cache (e.g. ``bootstrap_multiplier``, ``tuner_workers``).
-    """
+    """Replay ``requests`` through the published baseline ``policy`` of ``cache_bytes`` bytes. ``cost``:
+    a :class:`ModelCostModel` (bytes and FLOPs of that model) or a
+    :class:`~sglang_sparse.sim.published_caches.MarconiModel` (the reference's own formulas). ``alpha``
+    fixes Marconi's weight (no tuning); ``check`` asserts the tree's counters per request;
+    ``cache_kwargs`` go to the cache (e.g. ``bootstrap_multiplier``, ``tuner_workers``)."""
     model = as_published_model(cost)
     cache = make_published_cache(policy, cache_bytes, model, alpha=alpha, **cache_kwargs)
     res = SimResult(policy, int(cache_bytes))

@@ -83,8 +83,7 @@ class MarconiModel:
     for 24 layers); KV is ``2*l*d*2`` per attention layer (64 KiB per token for 4 layers; no GQA).
     FLOPs (forward): ``attn(l) = 8 l d^2 + 4 l^2 d``, ``mlp(l) = 16 l d^2``,
     ``mamba1(l) = 12 l d^2 + 16 l d n + 10 l d``. Integer arithmetic in the reference's operation
-    order, so that every comparison matches it bit for bit.
-    """
+    order, so that every comparison matches it bit for bit."""
 
     num_ssm_layers: int = 24
     num_attn_layers: int = 4
@@ -268,8 +267,7 @@ class PublishedHybridCache:
     window at ``bootstrap_multiplier`` (5) x the requests seen so far; when the request count reaches
     it, every alpha of :data:`MARCONI_ALPHA_GRID` replays all requests so far from an **empty** tree
     (version 3), the one saving most FLOPs over the last :data:`MARCONI_TUNING_LAST_N` of them wins
-    (ties: the earlier grid entry; the reference takes process completion order), once.
-    """
+    (ties: the earlier grid entry; the reference takes process completion order), once."""
 
     def __init__(
         self,

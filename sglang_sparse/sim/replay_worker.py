@@ -1,14 +1,13 @@
 """Alpha-tuning replays in a worker process, off the caller's CPU time.
 
-Inside SGLang the scheduler's CPU time is what the GPU waits on (with the overlap schedule the
-scheduler prepares batch N+1 while N runs), so the sparse backend does not replay its tuning window
-in the scheduler process: :class:`ReplayWorker` starts one child, ``python -m
-sglang_sparse.sim.replay_worker`` (no SGLang import, lowered CPU priority), and feeds it flat jobs:
-a :class:`~sglang_sparse.policy.CacheSnapshot` (flat by construction), the window's
-``(input, input + output)`` token arrays, the cost model and the alpha grid. The child answers the
-FLOPs-saved score of every alpha (:func:`~sglang_sparse.sim.simulator.warm_replay_score`), in grid
-order. The decision (:meth:`AlphaTuner.choose`) and the moment it takes effect stay with the caller,
-so the outcome is a pure function of the request stream whatever the worker's speed.
+Inside SGLang the scheduler's CPU time is what the GPU waits on (with the overlap schedule it
+prepares batch N+1 while N runs), so the backend replays its tuning window in a child process:
+:class:`ReplayWorker` starts ``python -m sglang_sparse.sim.replay_worker`` (no SGLang import,
+lowered CPU priority) and feeds it flat jobs (a :class:`~sglang_sparse.policy.CacheSnapshot`, the
+window's ``(input, input + output)`` token arrays, the cost model, the alpha grid); the child answers
+the FLOPs-saved score of every alpha (:func:`~sglang_sparse.sim.simulator.warm_replay_score`), in
+grid order. The decision (:meth:`AlphaTuner.choose`) and the moment it takes effect stay with the
+caller, so the outcome is a pure function of the request stream whatever the worker's speed.
 
 Protocol: length-prefixed pickle frames (8-byte little-endian length) on the child's stdin (jobs:
 ``(job_id, snapshot, window, cost, grid)``) and stdout (answers: ``(job_id, True, scores)`` or

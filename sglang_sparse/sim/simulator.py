@@ -69,25 +69,19 @@ def simulate(
 
     ``alpha`` fixes the FLOP-aware weight (no tuning); otherwise FLOP-aware policies bootstrap with
     LRU for ``bootstrap`` requests (default ``min(200, n // 5)``) and tune once (``retune``: again
-    whenever a window's hit rate drifts, see :class:`AlphaTuner`). The published baselines
-    (``PUBLISHED_POLICIES``: ``sglang_plus_published``, ``marconi_published``,
-    ``vllm_plus_published``) run through :func:`.published.simulate_published` (``bootstrap``,
-    ``oracle``, ``retune`` do not apply; ``cost`` may also be a ``MarconiModel``).
-    ``oracle`` must be given for the ``oracle`` policy (built automatically when omitted).
-    ``observer`` (registry policies and ``offline``) is called once per request, after its eviction, with
-    ``(index, match, {position: state handle} captured, insert result, freed)``: read-only
-    instrumentation (see :mod:`.gap`); it changes no decision.
-    ``offline`` (the future-knowledge reference, :mod:`.offline`) runs through
-    :func:`.offline.simulate_offline`; of the options only ``keep_records``, ``progress``, ``check``,
-    ``observer`` and its own ``grid`` / ``future`` (``cache_kwargs``) apply. ``check`` asserts tree
-    invariants.
-    ``host`` adds a host tier of ``host.budget_bytes`` below a device of ``cache_bytes`` (registry
-    policies only; :mod:`.host_tier`): the policy runs on the logical two-tier cache, a request
-    resumes no deeper than fits in the device, and the result's ``load_bytes`` / ``load_flops``
-    charge the host traffic (``net_flops_saved_frac``). FLOP-aware policies value a state net of its
-    expected load (:class:`~sglang_sparse.policy.host_tier.HostCost`); alpha tuning replays ignore
-    loads.
-    """
+    whenever a window's hit rate drifts, see :class:`AlphaTuner`). ``oracle``: the law of the
+    ``oracle`` policy (built when omitted). ``observer`` (registry policies and ``offline``) is
+    called once per request, after its eviction, with ``(index, match, {position: state handle}
+    captured, insert result, freed)``: read-only instrumentation (:mod:`.gap`). ``check`` asserts
+    tree invariants. ``host`` adds a host tier of ``host.budget_bytes`` below a device of
+    ``cache_bytes`` (registry policies only; the model and the result's load fields:
+    :mod:`.host_tier`); FLOP-aware policies then value a state net of its expected load
+    (:class:`~sglang_sparse.policy.host_tier.HostCost`); alpha tuning replays ignore loads.
+
+    ``offline`` runs through :func:`.offline.simulate_offline` (only ``keep_records``, ``progress``,
+    ``check``, ``observer`` and its own ``grid`` / ``future`` in ``cache_kwargs`` apply); the
+    published baselines (``PUBLISHED_POLICIES``) through :func:`.published.simulate_published`
+    (``bootstrap``, ``oracle``, ``retune`` do not apply; ``cost`` may be a ``MarconiModel``)."""
     if host is not None and isinstance(policy, str) and policy in (*OFFLINE_POLICIES, *PUBLISHED_POLICIES):
         raise ValueError(f"policy {policy!r} has no host tier model; give a registry policy")
     if isinstance(policy, str) and policy in OFFLINE_POLICIES:
@@ -125,8 +119,7 @@ def simulate(
     if not spec.needs_law_provider:
         # Only the oracle policy sees the whole trace's law, in its replays too: a caller passing
         # one oracle for every policy (benchmarks/sim_compare.py) must not hand it to the others'
-        # alpha tuning (it did: rag at 5% of the footprint, sparse tuned alpha 4 on oracle-law
-        # replays, 0.072, instead of 0.5, 0.092).
+        # alpha tuning (docs/architecture.md, "Simulator notes").
         oracle = None
     prepared = prepare_requests(requests)
     n = len(prepared)
@@ -201,8 +194,7 @@ def _serve(
 
     Returns ``(resume_depth, kv_depth, FLOPs saved, prefill FLOPs, states captured, bytes loaded
     from the host tier)``. ``observer``: see :func:`simulate` (``index``: the request's position in
-    the trace). ``tier``: the two-tier residency of ``cache`` (``None``: one tier, nothing loaded).
-    """
+    the trace). ``tier``: the two-tier residency of ``cache`` (``None``: one tier, nothing loaded)."""
     m = cache.match(inp)
     load = 0
     if tier is not None:

@@ -1,1 +1,1 @@
-"""Test/benchmark helpers: a real SGLang CPU server, an offline Engine, and an HF reference."""
+"""Test/benchmark helpers: a real SGLang CPU server, SGLang's router, long multi-turn sessions."""

@@ -13,13 +13,11 @@ process group on a free loopback port. Its ``/health`` answers before the worker
 (requests then fail with 503 ``no_available_workers``), so :meth:`Router.start` waits until
 ``/workers`` lists every worker as healthy.
 
-Failure handling (the flags :class:`Router` passes, all the router's own): health checks every
-``health_interval`` seconds; the per-worker circuit breaker opens after 2 consecutive failures and
-half-opens after ``breaker_timeout`` seconds, so a restarted worker on the same URL rejoins without
-re-registration; ``request_timeout`` bounds every proxied request (no request hangs on a dead
-worker). A request in flight on a worker that dies fails with an error the client sees (a cut
-stream); a new request sent to it before its circuit opens fails with HTTP 500
-(``call_upstream_request_error``).
+Failure handling (the router's own flags): health checks every ``health_interval`` seconds; the
+per-worker circuit breaker opens after 2 consecutive failures and half-opens after
+``breaker_timeout`` seconds, so a restarted worker on the same URL rejoins without re-registration;
+``request_timeout`` bounds every proxied request. What a dying worker does to requests:
+``docs/sparse_backend.md``, "Behind SGLang's router".
 """
 
 from __future__ import annotations
@@ -43,17 +41,11 @@ POLICIES = ("cache_aware", "round_robin")
 
 
 class Router:
-    """A ``sglang_router.launch_router`` subprocess routing over ``worker_urls``.
-
-    Args:
-        worker_urls: the workers' base URLs (``http://127.0.0.1:PORT``).
-        policy: routing policy (``cache_aware``, ``round_robin``, or any the router accepts).
-        health_interval: seconds between the router's health checks of each worker.
-        breaker_timeout: seconds an open circuit stays open before a trial request.
-        request_timeout: seconds the router waits on one proxied request.
-        extra_args: more router flags.
-        log_path: router log (default: a temp file).
-    """
+    """A ``sglang_router.launch_router`` subprocess routing over ``worker_urls`` (the workers' base
+    URLs) with ``policy`` (:data:`POLICIES` or any the router accepts). ``health_interval``: seconds
+    between health checks of each worker; ``breaker_timeout``: seconds an open circuit stays open
+    before a trial request; ``request_timeout``: seconds the router waits on one proxied request;
+    ``extra_args``: more router flags; ``log_path``: the router log (default: a temp file)."""
 
     def __init__(
         self,
@@ -72,8 +64,7 @@ class Router:
         self.worker_urls = list(worker_urls)
         self.policy = policy
         self.port = free_port(host)
-        #: the router's Prometheus exporter port: its default (29000) is one per machine, so a second
-        #: router (a test beside a benchmark) panicked with EADDRINUSE at start
+        #: the router's Prometheus port: its default (29000) is one per machine, taken by a 2nd router
         self.metrics_port = free_port(host)
         while self.metrics_port == self.port:
             self.metrics_port = free_port(host)

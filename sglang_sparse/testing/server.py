@@ -1,6 +1,4 @@
-"""Run a real SGLang server on the CPU (the serving tests' and benchmarks' launcher).
-
-Used by the serving tests and benchmarks::
+"""Run a real SGLang server on the CPU (the serving tests' and benchmarks' launcher)::
 
     from sglang_sparse.testing.server import SGLangServer
 
@@ -10,12 +8,7 @@ Used by the serving tests and benchmarks::
 
 The server runs in its own process group on a free loopback port; :meth:`SGLangServer.stop` kills
 the whole group. Start-up failures raise :class:`ServerError` carrying the tail of the server log.
-
-Not SGLang's test helpers: ``sglang.test.test_utils.popen_launch_server`` runs ``sglang serve`` from
-``PATH``, polls ``/health_generate`` every 10 s, copies the server log to stdout and raises without
-it; ``sglang.srt.utils.kill_process_tree`` walks the tree from the launcher's pid, which finds
-nothing once the launcher has exited (the group kill still reaches its orphans). Both modules also
-import torch (~10 s, ~480 MB) into client processes that do not otherwise need it.
+Why not SGLang's test helpers: ``docs/sparse_backend.md``, "Test harness".
 """
 
 from __future__ import annotations
@@ -55,23 +48,17 @@ CPU_SERVER_ARGS: tuple[str, ...] = (*_CPU_ARGS, "no_buffer", "--disable-overlap-
 #: drift ~1e-4 from an fp32 reference (prefill is unaffected); fp32 keeps greedy tokens HF-exact.
 CPU_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
-#: Environment (merged over :data:`CPU_ENV`) selecting the sglang-sparse out-of-tree SGLang platform
+#: Environment (merged over :data:`CPU_ENV`) selecting the project's opt-in SGLang platform
 #: ``sglang_sparse_cpu`` (kernels/sglang_sparse_kernels/sgl_kernel_cpu/sglang_platform.py): SGLang's
-#: in-tree CPU platform plus Mamba ``extra_buffer`` support. Opt-in, so servers started without it
-#: keep SGLang's in-tree CPU platform exactly.
+#: in-tree CPU platform plus Mamba ``extra_buffer`` support.
 CPU_EXTRA_BUFFER_ENV: dict[str, str] = {"SGLANG_PLATFORM": "sglang_sparse_cpu"}
 
-#: :data:`CPU_SERVER_ARGS` for SGLang's own ``extra_buffer`` Mamba radix-cache strategy with the
-#: overlap schedule ON (no ``--disable-overlap-schedule``); pass ``env=CPU_EXTRA_BUFFER_ENV`` and,
-#: if wanted, ``--page-size N`` in ``extra_args``::
-#:
-#:     SGLangServer(model, base_args=CPU_EXTRA_BUFFER_SERVER_ARGS, env=CPU_EXTRA_BUFFER_ENV,
-#:                  extra_args=["--page-size", "16"])
+#: :data:`CPU_SERVER_ARGS` for SGLang's ``extra_buffer`` Mamba radix-cache strategy with the overlap
+#: schedule on; pass ``env=CPU_EXTRA_BUFFER_ENV`` (:func:`strategy_setup`) and, if wanted,
+#: ``--page-size N`` in ``extra_args``.
 CPU_EXTRA_BUFFER_SERVER_ARGS: tuple[str, ...] = (*_CPU_ARGS, "extra_buffer")
 
-#: The two state strategies a benchmark config can run on: ``no_buffer`` (overlap schedule off,
-#: page size 1; SGLang's in-tree CPU platform) and ``extra_buffer`` (SGLang's GPU default: overlap
-#: schedule on; the project's CPU platform).
+#: The state strategies a benchmark config can run on (``extra_buffer``: SGLang's GPU default).
 STRATEGIES = ("no_buffer", "extra_buffer")
 
 
@@ -134,22 +121,11 @@ SGLANG_INTERNAL_PORTS_LOW = 22000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port on ``host`` *below* the kernel's ephemeral range.
-
-    Why not ``bind(0)``: that returns an ephemeral port, and polling ``/health`` on a port nobody
-    listens on yet opens client connections from ephemeral source ports. When a source port equals
-    the destination port the connection joins itself (TCP self-connect) and holds the port, so the
-    server's own bind then fails with ``EADDRINUSE`` (seen once in CI: a 300 s start timeout). A
-    port outside the ephemeral range can never be a client's source port.
-
-    Also below :data:`SGLANG_INTERNAL_PORTS_LOW`: each SGLang server picks its own internal ports
-    (``nccl_port``, the TCPStore) at random in ``[22000, 29999]`` while it starts, so a port handed
-    out there to a server starting at the same time (``serving_load.py`` starts its servers
-    concurrently) can be taken before that server binds it (seen in CI: ``EADDRINUSE`` on the
-    HTTP port of one of two servers started together).
-
-    Not SGLang's ``get_free_port_below_ephemeral``: it falls back to an ephemeral port.
-    """
+    """A currently free TCP port on ``host`` below the kernel's ephemeral range (never a client's
+    source port: a ``/health`` poll whose source port equals the server's port self-connects and
+    holds it) and below :data:`SGLANG_INTERNAL_PORTS_LOW` (SGLang servers starting at the same time
+    pick their internal ports at random in ``[22000, 29999]``). Not SGLang's
+    ``get_free_port_below_ephemeral``: it falls back to an ephemeral port."""
     low = min(_ephemeral_low(), 32768, SGLANG_INTERNAL_PORTS_LOW)
     rng = random.Random()
     for _ in range(200):
@@ -200,18 +176,12 @@ def _mapped_shm(pids: Sequence[int]) -> set[str]:
 
 
 class SGLangServer:
-    """A ``python -m sglang.launch_server`` subprocess on the CPU.
-
-    Args:
-        model_path: checkpoint directory.
-        extra_args: more CLI flags, appended after the defaults (later flags win in argparse), e.g.
-            ``["--radix-cache-backend", "sparse"]``.
-        env: extra environment variables (merged over ``os.environ`` and :data:`CPU_ENV`).
-        max_total_tokens, max_mamba_cache_size, context_length: common sizing knobs (None: omit).
-        base_args: replaces :data:`CPU_SERVER_ARGS` entirely when given.
-        log_path: where the server's stdout/stderr go (default: a temp file).
-        python: interpreter to run (default: the current one).
-    """
+    """A ``python -m sglang.launch_server`` subprocess on the CPU serving ``model_path`` (checkpoint
+    directory) with :data:`CPU_SERVER_ARGS` (or ``base_args``), the sizing knobs
+    ``max_total_tokens``, ``max_mamba_cache_size``, ``context_length`` (``None``: omitted) and then
+    ``extra_args`` (later flags win in argparse). ``env`` is merged over ``os.environ`` and
+    :data:`CPU_ENV`; stdout/stderr go to ``log_path`` (default: a temp file); ``python``: the
+    interpreter (default: the current one)."""
 
     def __init__(
         self,
@@ -290,16 +260,11 @@ class SGLangServer:
         return self
 
     def stop(self) -> None:
-        """SIGKILL the server's processes (launcher, scheduler, detokenizer), let multiprocessing's
-        resource tracker unlink what they registered, and unlink the ``/dev/shm`` files they mapped.
-
-        Not SIGTERM: SGLang's graceful stop drains in a watchdog that polls every 5 s and then asks
-        each scheduler to exit (2.4-4 s a server on 2 cores, about a tenth of a test suite that starts
-        ~50 servers), and a SIGTERM that reaches the scheduler first is taken for a crash. Nothing a
-        caller reads is written at shutdown: read :meth:`log_tail` and the statistics before stopping.
-        What a stop leaves is no more than SGLang's own graceful stop leaves (its load-report segment
-        ``sglang_loads_*.shm``, which this unlinks too): the resource tracker, spared the kill, sees
-        its clients gone and unlinks their semaphores. Only this server's files are touched."""
+        """SIGKILL the server's processes (launcher, scheduler, detokenizer) but multiprocessing's
+        resource tracker, which then unlinks what they registered, and unlink the ``/dev/shm`` files
+        they mapped (only this server's). Not SIGTERM (``docs/sparse_backend.md``, "Test harness").
+        Nothing a caller reads is written at shutdown: read :meth:`log_tail` and the statistics
+        before stopping."""
         proc, self.proc = self.proc, None
         if proc is not None:
             group = _group(proc.pid) if proc.poll() is None else {}

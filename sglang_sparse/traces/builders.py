@@ -81,9 +81,7 @@ def build_trace_with_meta(
     name: str, seed: int = 0, data_dir: str | os.PathLike[str] | None = None, **params: Any
 ) -> tuple[list[Request], dict[str, Any]]:
     """Build trace ``name`` and its metadata dict (name, seed, params, tokenizer, stats, builder info).
-
-    Raises ValueError for an unknown name/parameter and DataNotFoundError for missing data.
-    """
+    Raises ValueError for an unknown name/parameter and DataNotFoundError for missing data."""
     spec = get_spec(name)
     full = resolve_params(name, params)
     ddir = resolve_data_dir(data_dir)
@@ -110,7 +108,5 @@ def build_trace(
     name: str, seed: int = 0, data_dir: str | os.PathLike[str] | None = None, **params: Any
 ) -> list[Request]:
     """Requests of trace ``name`` (sorted by ``ts``) for ``seed``; ``params`` override builder defaults.
-
-    ``data_dir`` defaults to ``$SGLANG_SPARSE_DATA`` or ``<repo>/../shared/data``.
-    """
+    ``data_dir`` defaults to ``$SGLANG_SPARSE_DATA`` or ``<repo>/../shared/data``."""
     return build_trace_with_meta(name, seed, data_dir, **params)[0]

@@ -31,8 +31,7 @@ def zipf_probabilities(n: int, exponent: float, rng: np.random.Generator) -> np.
     """Probabilities ``p[i]`` of ``n`` items with Zipf-like popularity over a random permutation.
 
     The item at popularity rank ``r`` (1-based, rank order = ``rng.permutation(n)``) gets weight
-    ``r ** -exponent``; ``exponent = 0`` is uniform. Returns float64 summing to 1.
-    """
+    ``r ** -exponent``; ``exponent = 0`` is uniform. Returns float64 summing to 1."""
     if n <= 0:
         raise ValueError(f"need at least one item, got n={n}")
     if exponent < 0:

@@ -38,9 +38,7 @@ class DataNotFoundError(FileNotFoundError):
 
 def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
     """The data directory to use (argument > ``$SGLANG_SPARSE_DATA`` > ``<repo>/../shared/data``).
-
-    Raises DataNotFoundError if it is not a directory.
-    """
+    Raises DataNotFoundError if it is not a directory."""
     if data_dir is not None:
         p, how = Path(data_dir), "--data-dir/data_dir argument"
     elif os.environ.get(ENV_VAR):
@@ -96,9 +94,7 @@ def _load_system_prompts(path: Path) -> tuple[tuple[str, str], ...]:
 
 def load_system_prompts(data_dir: str | os.PathLike[str] | None = None) -> tuple[tuple[str, str], ...]:
     """``(member_name, text)`` of every non-empty .md/.txt/.json system prompt, sorted by name.
-
-    Repository chrome (``.github/``, licence files) is skipped; READMEs are kept (some are prompts).
-    """
+    Repository chrome (``.github/``, licence files) is skipped; READMEs are kept (some are prompts)."""
     return _load_system_prompts(data_file(data_dir, SYSTEM_PROMPTS_TAR))
 
 
@@ -151,8 +147,7 @@ def load_trajectories(data_dir: str | os.PathLike[str] | None = None) -> tuple[T
     """All usable SWE-agent trajectories sorted by instance id.
 
     Empty or unparsable files (the data set has one empty placeholder) are skipped with a
-    ``UserWarning`` naming them; the warning is issued on every call.
-    """
+    ``UserWarning`` naming them; the warning is issued on every call."""
     trajs, skipped = _load_trajectories(data_file(data_dir, TRAJECTORIES_TAR))
     if skipped:
         warnings.warn(
@@ -190,10 +185,8 @@ class _TextExtractor(HTMLParser):
 
 
 def strip_html(markup: str) -> str:
-    """Plain text of an HTML page: tags dropped, entities decoded, whitespace normalised.
-
-    Paragraphs are separated by one blank line; runs of spaces inside a paragraph become one space.
-    """
+    """Plain text of an HTML page: tags dropped, entities decoded, whitespace normalised. Paragraphs are
+    separated by one blank line; runs of spaces inside a paragraph become one space."""
     p = _TextExtractor()
     p.feed(markup)
     p.close()

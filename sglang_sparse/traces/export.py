@@ -61,8 +61,7 @@ def to_custom_rows(
     """One ``custom``-format row per request, in trace order.
 
     Note that bench_serving's custom loader shuffles rows (seeded by ``--seed``); order does not
-    change which prefixes are shared, only the arrival order.
-    """
+    change which prefixes are shared, only the arrival order."""
     dec = _decoder(vocab, decode)
     rows = []
     for r in requests:
@@ -93,8 +92,7 @@ def turn_deltas(session: Sequence[Request]) -> list[tuple[int, ...]]:
     """New prompt tokens of each turn: the part after ``prompt(i-1) + output(i-1)``.
 
     Raises ``ValueError`` when a turn's prompt does not extend the previous turn's prompt and output
-    (the agentic replay would then not reproduce the trace's prefix sharing).
-    """
+    (the agentic replay would then not reproduce the trace's prefix sharing)."""
     deltas: list[tuple[int, ...]] = []
     prev: tuple[int, ...] = ()
     for r in session:

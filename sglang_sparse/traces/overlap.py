@@ -62,10 +62,8 @@ class _Node:
 
 
 class PrefixIndex:
-    """Set of token sequences answering "longest common prefix with any stored sequence" exactly.
-
-    Token ids must be integers in ``[0, 2**32)``. ``block`` (tokens) only trades speed for memory.
-    """
+    """Set of token sequences answering "longest common prefix with any stored sequence" exactly. Token
+    ids must be integers in ``[0, 2**32)``. ``block`` (tokens) only trades speed for memory."""
 
     def __init__(self, block: int = 64) -> None:
         if block < 1:
@@ -122,10 +120,8 @@ class PrefixIndex:
 
 
 def overlap_depths(requests: Iterable[_HasTokens], block: int = 64) -> np.ndarray:
-    """Exact per-request overlap depth (tokens, int64) against all earlier requests' input+output.
-
-    The first request always has depth 0; ``depth[i] <= len(requests[i].input_tokens)``.
-    """
+    """Exact per-request overlap depth (tokens, int64) against all earlier requests' input+output. The
+    first request always has depth 0; ``depth[i] <= len(requests[i].input_tokens)``."""
     index = PrefixIndex(block)
     out: list[int] = []
     for r in requests:

@@ -51,8 +51,7 @@ def cut_chunks(
     """Up to ``num_chunks`` passages with lengths uniform in ``[min_tokens, max_tokens]``.
 
     Documents are visited in a random order and cut left to right; tails shorter than
-    ``min_tokens`` are dropped, so every chunk length lies in the range.
-    """
+    ``min_tokens`` are dropped, so every chunk length lies in the range."""
     chunks: list[tuple[int, ...]] = []
     for d in rng.permutation(len(docs)):
         ids = docs[int(d)]

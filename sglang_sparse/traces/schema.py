@@ -132,8 +132,7 @@ def iter_trace(path: str | os.PathLike[str]) -> Iterator[Request]:
     """Yield validated requests of a JSONL trace; blank lines are skipped.
 
     Raises TraceFormatError (naming the file and 1-based line) on a malformed line or when ``ts``
-    decreases; raises OSError when the file cannot be opened.
-    """
+    decreases; raises OSError when the file cannot be opened."""
     p = Path(path)
     prev_ts = -math.inf
     with p.open("r", encoding="utf-8") as f:
@@ -161,9 +160,7 @@ def read_trace(path: str | os.PathLike[str]) -> list[Request]:
 
 def write_trace(path: str | os.PathLike[str], requests: Iterable[Request]) -> int:
     """Write requests as JSONL (sorted order is the caller's job; checked here). Returns bytes written.
-
-    Raises ValueError if ``ts`` decreases or a request is inconsistent.
-    """
+    Raises ValueError if ``ts`` decreases or a request is inconsistent."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     prev_ts = -math.inf

@@ -28,8 +28,7 @@ def summarize(requests: Sequence[Request], depths: np.ndarray | None = None) -> 
     """Stats: counts, input/output length percentiles, totals, overlap depth (exact, unbounded cache).
 
     ``reuse_fraction`` = sum(overlap depth) / sum(input tokens): the share of prompt tokens an
-    infinite prefix cache could skip. ``duration_s`` is the logical span of ``ts``.
-    """
+    infinite prefix cache could skip. ``duration_s`` is the logical span of ``ts``."""
     inp = np.asarray([r.num_input_tokens for r in requests], dtype=np.int64)
     out = np.asarray([r.num_output_tokens for r in requests], dtype=np.int64)
     d = overlap_depths(requests) if depths is None else np.asarray(depths, dtype=np.int64)

@@ -148,9 +148,7 @@ def synthetic_answer_tokens(
     rng: np.random.Generator, min_tokens: int = 16, max_tokens: int = 128
 ) -> list[int]:
     """Deterministic stand-in for a model answer: a window of a fixed answer text + ``<|im_end|>``.
-
-    Length (including the final ``<|im_end|>``) is uniform in ``[min_tokens, max_tokens]``.
-    """
+    Length (including the final ``<|im_end|>``) is uniform in ``[min_tokens, max_tokens]``."""
     if not 2 <= min_tokens <= max_tokens:
         raise ValueError(f"need 2 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
     pool = _answer_pool(max_tokens // 60 + 2)

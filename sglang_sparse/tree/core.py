@@ -1,12 +1,9 @@
 """The tree mechanism both trees share: :class:`Node` (an edge of tokens, its KV handle and its
-recurrent-state checkpoints) and :class:`CheckpointTree` (structure, handles, bytes, checkpoint
-sets, locks, recency and the eviction index, no tokens compared). :class:`~.radix.RadixTree`
-adds token match/insert (the simulator's tree), :class:`~.mirror.MirrorTree` follows an
-engine's tree by its events.
+recurrent-state checkpoints) and :class:`CheckpointTree` (everything but token comparison);
+:class:`~.radix.RadixTree` adds token match/insert, :class:`~.mirror.MirrorTree` follows an engine.
 
 Node invariants
 ---------------
-
 
 A node owns the edge from its parent: token depths ``(start, end]`` (``end = start + len(key)``),
 i.e. the tokens ``key = seq[start:end]`` (a non-empty 1-D int32 array, owned by the tree: never a
@@ -54,12 +51,11 @@ EMPTY_KEY = np.empty(0, dtype=np.int32)
 class CheckpointMap(dict):
     """``{position (tokens): state handle}`` with keys kept sorted: a light ``SortedDict`` stand-in.
 
-    A node holds a handful of checkpoints, and ``sortedcontainers.SortedDict()`` costs ~7 us to
-    construct (two per insert); this ``dict`` subclass costs ~0.3 us. It implements the part of the
-    ``SortedDict`` API the project uses: mapping operations, sorted iteration, ``keys()``/``values()``
-    /``items()`` (sorted **lists**, i.e. snapshots, indexable), ``peekitem``/``popitem(index)``,
-    ``bisect_left``/``bisect_right``. Invariant: ``self._keys == sorted(dict.keys(self))``.
-    """
+    A node holds a handful of checkpoints, and a ``SortedDict`` is costly to construct (two per
+    insert; ``docs/architecture.md``, "Simulator and tree notes"). Implements the part of its API the
+    project uses: mapping operations, sorted iteration, ``keys()``/``values()``/``items()`` (sorted
+    **lists**, i.e. snapshots, indexable), ``peekitem``/``popitem(index)``, ``bisect_left``/
+    ``bisect_right``. Invariant: ``self._keys == sorted(dict.keys(self))``."""
 
     __slots__ = ("_keys",)
 
@@ -187,7 +183,7 @@ class Node:
         self.parent = parent
         self.children: dict[int, Node] = {}
         self.kv = kv
-        ck = _new_map(CheckpointMap)  # CheckpointMap() without the Python __init__ (~0.2 us less)
+        ck = _new_map(CheckpointMap)  # CheckpointMap() without the Python __init__ (hot path)
         ck._keys = []  # noqa: SLF001 - same module
         self.checkpoints: CheckpointMap = ck
         self.ckpt_access: dict[int, int] = {}
@@ -278,8 +274,7 @@ class MatchResult:
     ``path``: nodes from the root's child down to ``node`` (empty when nothing matched).
     ``tokens``: the int32 token array that was matched (not copied; do not mutate it while the result
     is used as an insert ``hint``). ``versions``: ``node.version`` of each ``path`` node at match time.
-    Both are excluded from ``==``/``repr`` and only serve :meth:`RadixTree.insert`'s ``hint``.
-    """
+    Both are excluded from ``==``/``repr`` and only serve :meth:`RadixTree.insert`'s ``hint``."""
 
     kv_depth: int
     resume_depth: int
@@ -291,8 +286,8 @@ class MatchResult:
     versions: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
 
-# The frozen dataclass __init__ goes through object.__setattr__ per field (~3 us for 8 fields on a
-# slow core); match() builds its result through the slot descriptors instead (~1 us, same object).
+# match() builds its result through the slot descriptors, not the frozen dataclass __init__ (one
+# object.__setattr__ per field): the same object, cheaper (docs/architecture.md).
 _MR_FIELDS = ("kv_depth", "resume_depth", "node", "ckpt_node", "ckpt_handle", "path", "tokens", "versions")
 if {f.name for f in fields(MatchResult)} != set(_MR_FIELDS):  # a new field must be set below too
     raise RuntimeError("update _MR_FIELDS / _make_match for the new MatchResult fields")
@@ -325,12 +320,10 @@ def _make_match(
 
 @dataclass(slots=True)
 class InsertResult:
-    """Result of :meth:`RadixTree.insert`.
-
-    ``prefix_len``: tokens already cached before this insert. ``node``: node holding the last token.
-    ``unused_kv``: KV slices the tree did not take (the caller frees them); ``unused_states``: state
-    handles not taken because a checkpoint already existed at that position.
-    """
+    """Result of :meth:`RadixTree.insert`. ``prefix_len``: tokens already cached before this insert.
+    ``node``: node holding the last token. ``unused_kv``: KV slices the tree did not take (the caller
+    frees them); ``unused_states``: state handles not taken because a checkpoint already existed at
+    that position."""
 
     prefix_len: int
     node: Node
@@ -385,10 +378,7 @@ class CheckpointTree:
     Eviction index (for :mod:`sglang_sparse.policy.evict`; maintained by every mutating method,
     checked by :meth:`check`): :attr:`evictable_leaves` (unlocked leaves), :attr:`evictable_ckpt_nodes`
     (unlocked interior nodes with checkpoints), :meth:`lru_leaf` (min ``(last_access, uid)`` evictable
-    leaf, amortised O(log n)). An LRU leaf evictor is ``while over budget: leaf = tree.lru_leaf();
-    freed.extend(tree.drop_leaf(leaf))`` (plus its merge step), never enumerating all nodes.
-    :meth:`node_bytes` is O(1).
-    """
+    leaf, amortised O(log n)), so an evictor never enumerates all nodes. :meth:`node_bytes` is O(1)."""
 
     #: Whether every edge end is a divergence point (a branch point or where a sequence ended):
     #: true where edges are split only there (this token tree); an engine's tree keeps old split
@@ -639,12 +629,10 @@ class CheckpointTree:
             self.leaf_heap.push(node, len(self.evictable_leaves))
 
     def lru_leaf(self) -> Node | None:
-        """The least recently used evictable leaf (min ``(last_access, uid)``), or ``None``.
-
-        Amortised O(log n): stale heap entries are discarded on the way. Does not remove the leaf;
-        evict it with :meth:`drop_leaf` (its parent then enters the index if it became an unlocked
-        leaf). This is the whole candidate search of an LRU (``alpha = 0``) leaf evictor.
-        """
+        """The least recently used evictable leaf (min ``(last_access, uid)``), or ``None``. Amortised
+        O(log n): stale heap entries are discarded on the way. Does not remove the leaf; evict it with
+        :meth:`drop_leaf` (its parent then enters the index if it became an unlocked leaf). This is the
+        whole candidate search of an LRU (``alpha = 0``) leaf evictor."""
         return self.leaf_heap.first()
 
     # ------------------------------------------------------------------ inspection

@@ -1,14 +1,12 @@
 """A token-free mirror of an engine's radix tree, driven by the engine's structural events.
 
 The serving engine (SGLang's ``UnifiedTreeCore``) owns the real tree: token keys, KV indices, state
-slots, locks. The policy (per-edge depth histograms and DP plans, kept in its plan table by node id;
-checkpoint recency, the eviction scorer's candidate index, the tail prior) needs the tree's *shape*
-only: which node hangs under which, each edge's depth span ``(start, end]``, which nodes hold a
-recurrent state. A :class:`MirrorTree` is a :class:`~sglang_sparse.tree.core.CheckpointTree` (the
-structure every policy function runs on, unchanged; no token matching) whose nodes are created,
-split and removed by the engine's events, keyed by the engine's node ids, and that holds **no token
-sequence**: a node's ``key`` is a :class:`Span` (edge length + first token, for the ``children``
-dict). Memory is O(nodes), independent of prompt lengths.
+slots, locks. The policy needs its *shape* only: which node hangs under which, each edge's depth
+span ``(start, end]``, which nodes hold a recurrent state. A :class:`MirrorTree` is a
+:class:`~sglang_sparse.tree.core.CheckpointTree` (the structure every policy function runs on)
+whose nodes are created, split and removed by the engine's events, keyed by the engine's node ids,
+and that holds **no token sequence**: a node's ``key`` is a :class:`Span` (edge length + first
+token, for the ``children`` dict). Memory is O(nodes), independent of prompt lengths.
 
 Correspondence (an invariant; :meth:`MirrorTree.check_against` verifies it against a description of
 the engine's tree):
@@ -37,11 +35,10 @@ from .core import CheckpointTree, MatchResult, Node, _make_match
 
 
 class Span:
-    """The key of a mirror edge: its length (tokens) and ``first``, the engine's child key of the
-    edge (its first token, or a hashable tuple when the engine namespaces keys); no token sequence.
-
-    Supports what :class:`CheckpointTree`'s shape-only code uses of a key: ``len``, ``item(0)`` and
-    ``[0]`` (the ``children`` dict key)."""
+    """The key of a mirror edge: its length (tokens) and ``first``, the engine's child key of the edge
+    (its first token, or a hashable tuple when the engine namespaces keys); no token sequence. Supports
+    what :class:`CheckpointTree`'s shape-only code uses of a key: ``len``, ``item(0)`` and ``[0]`` (the
+    ``children`` dict key)."""
 
     __slots__ = ("n", "first")
 
@@ -75,11 +72,9 @@ class MirrorTree(CheckpointTree):
     events (module docstring).
 
     ``root_id``: the engine's root node id. ``on_change``: called with every node an event changed
-    (created, split, removed, state set/dropped, recency refreshed outside :meth:`observe`).
-    Other arguments as :class:`~sglang_sparse.tree.core.CheckpointTree`. It holds no tokens, so it
-    has no ``match`` / ``insert`` (those are :class:`~sglang_sparse.tree.radix.RadixTree`'s): build
-    matches with :meth:`match_result` from the engine's match instead.
-    """
+    (created, split, removed, state set/dropped, recency refreshed by :meth:`touch_path`). Other
+    arguments as :class:`~sglang_sparse.tree.core.CheckpointTree`. No ``match`` / ``insert`` (no
+    tokens): :meth:`match_result` builds a match from the engine's."""
 
     def __init__(
         self,
@@ -112,14 +107,10 @@ class MirrorTree(CheckpointTree):
             listener.on_reset()
 
     #: Not every edge end is a divergence point (``PlanTable.planned_captures`` captures none at
-    #: the end of a *structural* edge): an engine's tree (SGLang's) splits an edge at every state it
-    #: ever inserted, and keeps the boundary when the state is evicted, so a chain of short
-    #: single-child edges ends at old state positions. Every request passing through such an edge
-    #: counts at its end (pass-through mass), which the per-edge DP always plans, so each old state
-    #: position would come back as a planned state (a chunk-size-dependent set: the pool churn of
-    #: issue 20). An edge end that is neither a branch point (several children) nor where a
-    #: sequence ended (``seq_end``) is no divergence point; positions inside edges, branch points
-    #: and sequence ends are kept.
+    #: the end of a *structural* edge): SGLang splits an edge at every state it ever inserted and
+    #: keeps the boundary after the state is evicted, and the per-edge DP would plan each such end
+    #: (its pass-through mass). An edge end that is neither a branch point (several children) nor
+    #: where a sequence ended (``seq_end``) is structural (``docs/sparse_backend.md``, "Admission").
     edge_ends_diverge = False
 
     # ------------------------------------------------------------------ lookup

@@ -1,19 +1,16 @@
 """Radix tree over token ids with sparse recurrent-state checkpoints (no tensors, opaque handles).
 
-The tree is the *mechanism* (structure, locks and eviction primitives are :class:`~.core.CheckpointTree`'s;
-this module adds the tokens); which checkpoints to capture and what to evict is decided by
-:mod:`sglang_sparse.policy`. It is designed to be driven by an SGLang ``UnifiedRadixCache`` subclass:
+The simulator's tree: structure, locks, eviction primitives and the eviction index are
+:class:`~.core.CheckpointTree`'s, this module adds the tokens; which checkpoints to capture and what
+to evict is decided by :mod:`sglang_sparse.policy`. Its API follows SGLang's radix cache:
 
 * :meth:`RadixTree.match` is **pure** (no splits, no clock, no recency update) so the scheduler may
   call it any number of times per request.
 * :meth:`RadixTree.touch` is the separate, explicit "this request was admitted with this match"
-  call: it advances the logical clock and refreshes recency (the policy's plan table then feeds the
-  per-edge depth histograms: :mod:`sglang_sparse.policy.choose`).
+  call: it advances the logical clock and refreshes recency.
 * :meth:`RadixTree.insert` returns the KV slices and state handles it did *not* take (duplicates of
   what is already cached) so the caller frees them (SGLang ``cache_finished_req`` semantics).
 * :meth:`RadixTree.lock` / :meth:`RadixTree.unlock` mirror ``inc_lock_ref`` / ``dec_lock_ref``.
-* Eviction primitives (:meth:`drop_checkpoint`, :meth:`drop_leaf`, :meth:`merge_with_child`) return
-  the freed handles; the policy layer orders them.
 
 Hot paths (a 32k-token prompt in a ~10k-node tree): :meth:`match` is one call of the descent
 :func:`~.lcp.walk` (C in ``_lcp_native`` when built at install time, else :func:`~.lcp.walk_py`),
@@ -21,16 +18,9 @@ which compares each edge once with a longest-common-prefix routine (:func:`~.lcp
 blocks, else the chunked numpy :func:`~.lcp.lcp_numpy`; every token is compared exactly, no
 hashing). :meth:`insert` accepts the :class:`MatchResult` of the same request as ``hint`` and
 resumes from its end instead of re-walking the path (validated by node versions, so a stale hint
-silently falls back to a full walk). An LRU-ordered heap of evictable leaves
-(:class:`~.lru.LeafHeap`) and the sets :attr:`RadixTree.evictable_leaves` /
-:attr:`RadixTree.evictable_ckpt_nodes` are maintained incrementally (O(log n) per change) so an
-evictor does not enumerate every node.
+silently falls back to a full walk).
 
-Units: depths/positions/lengths in **tokens** (absolute from the root), memory in **bytes**. The tree
-holds ``kv_tokens * kv_bytes_per_token + num_states * state_bytes`` bytes (:attr:`bytes_used`).
-
-Per-node policy state (depth histograms, plans) is not here: a :class:`TreeListener` (the
-policy's plan table) hears every split, merge and removal and keeps it by node ``uid``.
+Units: depths/positions/lengths in **tokens** (absolute from the root), memory in **bytes**.
 """
 
 from __future__ import annotations
@@ -48,8 +38,7 @@ from .snapshot import TreeSnapshot, tree_from_snapshot, tree_to_snapshot
 class RadixTree(CheckpointTree):
     """Radix tree of cached token prefixes with KV handles and sparse recurrent checkpoints: a
     :class:`CheckpointTree` whose edges hold their token ids (``node.key``), so it can :meth:`match`
-    and :meth:`insert` token sequences (the simulator's tree; an engine's is mirrored instead).
-    """
+    and :meth:`insert` token sequences (the simulator's tree; an engine's is mirrored instead)."""
 
     # ------------------------------------------------------------------ flat snapshot / copies
 
@@ -99,9 +88,8 @@ class RadixTree(CheckpointTree):
     def match(self, tokens: Tokens) -> MatchResult:
         """Longest cached prefix of ``tokens`` and the deepest checkpoint at or before it. Pure.
 
-        Cost: one descent :func:`~.lcp.walk` comparing each token of the matched prefix exactly once (for a
-        32k-token prompt ~256 KB of reads, memory-bound when cold) plus ~2 us of Python per call.
-        """
+        Cost: one descent :func:`~.lcp.walk` comparing each token of the matched prefix exactly once
+        (a 32k-token prompt reads ~256 KB, memory-bound when cold) plus O(path) Python."""
         t = as_tokens(tokens)
         d, path, versions = walk(self.root.children, t, 0)
         # Deepest checkpoint <= d: on the last edge one at or before d; on any earlier edge (fully
@@ -146,8 +134,7 @@ class RadixTree(CheckpointTree):
         resumes from the hint's end instead of re-comparing the matched prefix. The hint is used only
         if every path node is alive with an unchanged ``version`` and its tokens equal ``tokens`` on
         the matched prefix (free when both are the same int32 array, one vectorised compare
-        otherwise); otherwise the full walk runs. Either way the result is identical.
-        """
+        otherwise); otherwise the full walk runs. Either way the result is identical."""
         t = as_tokens(tokens)
         n = len(t)
         if n == 0:

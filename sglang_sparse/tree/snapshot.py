@@ -27,18 +27,12 @@ Fields (units: tokens for depths and lengths, logical clock ticks for clocks, by
   ``ckpt_access`` (int64 clock of creation / last use as a resume point), ``ckpt_handle`` (list of
   opaque state handles);
 
-The policy's per-edge histograms and plans are not part of it (they live in the policy's plan
-table, keyed by ``uid``, with a flat form of their own: ``sglang_sparse.policy.choose``).
-
-Derived indexes (leaf set, evictable sets, the LRU heap, node counts and byte totals, and the
-policy's candidate index) are never stored: :func:`tree_from_snapshot` rebuilds them.
-
-To build a snapshot from another tree (e.g. SGLang's own radix tree, for the alpha tuner), use
-:class:`TreeSnapshotBuilder`: ``add_node`` once per node, parents before children, then ``build``.
-
-This module sits below :mod:`.radix` (it never imports it): the conversions see a tree through the
-structural type :class:`FlatTree`, and :func:`tree_from_snapshot` builds whatever tree class its
-caller passes (:meth:`RadixTree.from_snapshot` passes its own ``cls``).
+Not stored: the policy's per-edge histograms and plans (its plan table keeps them by ``uid``, with a
+flat form of its own: ``sglang_sparse.policy.choose``) and the derived indexes (leaf set, evictable
+sets, LRU heap, node counts, byte totals, the policy's candidate index), which
+:func:`tree_from_snapshot` rebuilds. :class:`TreeSnapshotBuilder` builds a snapshot from another tree
+(SGLang's, for the alpha tuner). This module sits below :mod:`.radix` and never imports it (trees are
+seen through :class:`FlatTree`; :func:`tree_from_snapshot` builds the class its caller passes).
 """
 
 from __future__ import annotations
@@ -56,12 +50,10 @@ _I64 = np.int64
 
 class FlatTree(Protocol):
     """The tree state :func:`tree_to_snapshot` reads and :func:`tree_from_snapshot` writes.
-
-    :class:`~sglang_sparse.tree.radix.RadixTree` has it; a structural type, so this module does not
-    import :mod:`.radix`. Units: ``kv_bytes_per_token`` and ``state_bytes`` bytes, ``kv_tokens``
-    tokens, ``clock`` logical ticks; ``_uid`` is the last uid handed out, ``num_nodes``
-    excludes the root. ``_sync_evictable(node)`` recomputes ``node``'s membership in the tree's
-    eviction index."""
+    :class:`~sglang_sparse.tree.radix.RadixTree` has it (a structural type: no import of
+    :mod:`.radix`). Units: ``kv_bytes_per_token`` and ``state_bytes`` bytes, ``kv_tokens`` tokens,
+    ``clock`` logical ticks; ``_uid`` is the last uid handed out, ``num_nodes`` excludes the root.
+    ``_sync_evictable(node)`` recomputes ``node``'s membership in the tree's eviction index."""
 
     kv_bytes_per_token: int
     state_bytes: int
@@ -89,9 +81,8 @@ class SnapshotError(ValueError):
 
 @dataclass
 class TreeSnapshot:
-    """The flat form of a radix tree (see the module docstring for every field's meaning).
-
-    Construct it directly (all fields by keyword), with :class:`TreeSnapshotBuilder`, or with
+    """The flat form of a radix tree (see the module docstring for every field's meaning). Construct
+    it directly (all fields by keyword), with :class:`TreeSnapshotBuilder`, or with
     :meth:`RadixTree.to_snapshot`; :meth:`RadixTree.from_snapshot` validates it."""
 
     kv_bytes_per_token: int
@@ -123,11 +114,10 @@ class TreeSnapshot:
 class TreeSnapshotBuilder:
     """Builds a :class:`TreeSnapshot` node by node (parents before children), e.g. from an engine's
     own radix tree. Index 0 (the root, empty edge, ``lock_ref`` 1) exists from the start.
-
-    ``add_node(parent, tokens, ...)`` returns the new node's index; ``start`` is derived (the
-    parent's end depth). ``checkpoints`` maps absolute depths in ``(start, end]`` to handles;
-    ``ckpt_access`` their clocks (default ``last_access``). ``build(clock=...)`` defaults the clock
-    to the newest access clock seen and the uid counter to the largest uid."""
+    ``add_node(parent, tokens, ...)`` returns the new node's index; ``start`` is derived (the parent's
+    end depth). ``checkpoints`` maps absolute depths in ``(start, end]`` to handles; ``ckpt_access``
+    their clocks (default ``last_access``). ``build(clock=...)`` defaults the clock to the newest
+    access clock seen and the uid counter to the largest uid."""
 
     def __init__(
         self,
@@ -167,9 +157,8 @@ class TreeSnapshotBuilder:
         seq_end: bool = False,
         chain: int = -1,
     ) -> int:
-        """Append a child of node index ``parent`` with edge ``tokens``; return its index.
-
-        ``seq_end`` and ``chain``: see :class:`~sglang_sparse.tree.core.Node`."""
+        """Append a child of node index ``parent`` with edge ``tokens``; return its index. ``seq_end``
+        and ``chain``: see :class:`~sglang_sparse.tree.core.Node`."""
         if not 0 <= parent < len(self._parent):
             raise SnapshotError(f"parent index {parent} is not an earlier node (have {len(self._parent)})")
         key = np.asarray(tokens, dtype=np.int32).reshape(-1)
@@ -354,11 +343,9 @@ def tree_from_snapshot(
 ) -> TreeT:
     """A new ``cls`` tree equal to the one ``snap`` describes (validated first); derived indexes rebuilt.
 
-    ``cls`` is the tree class (:class:`~sglang_sparse.tree.radix.RadixTree` or a subclass), called
-    with the snapshot's configuration and ``kv_ops`` (its ``KVOps``, ``None`` = the default) as
-    :class:`RadixTree`'s constructor takes them.
-    Iterative, O(nodes + tokens + checkpoints). The rebuilt tree owns a private copy of
-    ``snap.keys``; handles are shared with ``snap``."""
+    ``cls``: :class:`~sglang_sparse.tree.radix.RadixTree` or a subclass, called with the snapshot's
+    configuration and ``kv_ops`` (``None`` = the default). Iterative, O(nodes + tokens +
+    checkpoints). The tree owns a private copy of ``snap.keys``; handles are shared with ``snap``."""
     _validate(snap)
     tree = cls(snap.kv_bytes_per_token, snap.state_bytes, kv_ops=kv_ops)
     n = len(snap.parent)
