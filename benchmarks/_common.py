@@ -26,10 +26,11 @@ def results_dir(quick: bool) -> Path:
     return d
 
 
-def write_json(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
-    """Write ``payload`` (plus machine info) to ``<out_dir>/<name>.json`` (default
-    ``benchmarks/results``)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write_json(name: str | Path, payload: dict[str, Any], out_dir: Path = RESULTS) -> Path:
+    """Write ``payload`` (after machine info) to ``<out_dir>/<name>.json`` (default
+    ``benchmarks/results``), or to ``name`` itself when it is a :class:`~pathlib.Path`."""
+    path = name if isinstance(name, Path) else out_dir / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "machine": {
             "python": sys.version.split()[0],
@@ -38,7 +39,6 @@ def write_json(name: str, payload: dict[str, Any], out_dir: Path = RESULTS) -> P
         },
         **payload,
     }
-    path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path
 
@@ -53,6 +53,13 @@ def progress(it: Iterable[T], total: int | None = None, desc: str = "") -> Itera
     yield from tqdm(it, total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
+def bar(total: int, desc: str) -> Any:
+    """A tqdm progress bar of ``total`` steps on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
 def pyplot() -> Any | None:
     """``matplotlib.pyplot`` on the non-interactive Agg backend, or ``None`` (after saying so) when
     matplotlib is missing: a benchmark writes its JSON either way, the plot is optional."""
@@ -65,6 +72,15 @@ def pyplot() -> Any | None:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Lay out ``fig``, write it to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:

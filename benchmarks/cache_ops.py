@@ -16,16 +16,12 @@ server doing only cache work); times are per call, in microseconds:
   (``lru_leaf`` + ``drop_leaf``, then merges a checkpoint-free single-child parent like the policy
   evictor does).
 * ``baseline`` (``--baseline-tree DIR``): another copy of ``sglang_sparse/tree`` (e.g. the code before
-  an optimisation) loaded under a private name, driven like ``sparse`` (``insert`` alternating between
-  ``hint=match`` and plain) if its ``insert`` takes a ``hint``, else with plain ``match`` + ``insert``;
-  the ``baseline/sparse`` ratios compare the same operation. It evicts the same leaf as ``sparse`` did
-  in that op, found by matching the victim's path (no O(n) scan that would trash its caches; not
-  timed), so both trees stay identical: every ``kv_depth`` must agree.
-* ``sglang``: SGLang's Python ``RadixCache`` (``sglang.srt.mem_cache.radix_cache``, page size 1, a
-  dummy allocator; KV only -- it has no recurrent-state checkpoints -- and its ``match_prefix``
-  splits nodes), on ``array('q')`` keys as its scheduler passes them: ``match_prefix`` + ``insert``
-  + ``evict(1 token)``. Only when ``sglang`` imports in this interpreter (use
-  ``/work/main/.venv/bin/python``); otherwise the JSON says exactly why.
+  an optimisation) under a private name, driven like ``sparse`` (plain ``match`` + ``insert`` when its
+  ``insert`` takes no ``hint``): the ``baseline/sparse`` ratios compare the same operation. It evicts
+  the leaf ``sparse`` evicted (found by its path, not timed), so both trees stay identical.
+* ``sglang``: SGLang's Python ``RadixCache`` (page size 1, a dummy allocator, KV only, on
+  ``array('q')`` keys as its scheduler passes them): ``match_prefix`` + ``insert`` + ``evict(1
+  token)``. Only when ``sglang`` imports in this interpreter; otherwise the JSON says why.
 
 Separate phases: the policy :class:`~sglang_sparse.policy.evict.Evictor` evicting one leaf at
 alpha 0 and alpha 2 (incremental candidate index; its first call, which builds the index, is
@@ -45,9 +41,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
-import json
-import os
-import platform
 import sys
 import time
 import warnings
@@ -63,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
-from benchmarks._common import table  # noqa: E402
+from benchmarks._common import table, write_json  # noqa: E402
 from benchmarks.stats import latency_us as stats  # noqa: E402
 from sglang_sparse.policy import HybridCache  # noqa: E402
 from sglang_sparse.sim import cost_model  # noqa: E402
@@ -118,11 +111,8 @@ class Sparse:
         self.tree: RadixTree = self.cache.tree
         for q, doc_end in paths:
             self.tree.insert(q, None, ckpts_for(q, doc_end))
-        self.t: dict[str, list[float]] = {
-            k: [] for k in ("match", "insert_hint", "insert", "match+insert_hint")
-        }
-        self.t["match+insert"] = []
-        self.t["evict_lru_leaf"] = []
+        keys = ("match", "insert_hint", "insert", "match+insert_hint", "match+insert", "evict_lru_leaf")
+        self.t: dict[str, list[float]] = {k: [] for k in keys}
 
     def op(self, i: int, q: np.ndarray, ctx: dict[str, Any]) -> int:
         tree, perf = self.tree, time.perf_counter
@@ -234,12 +224,8 @@ def sglang_structure(paths: list[tuple[np.ndarray, int]]) -> tuple[Any, str]:
             self.values = torch.arange(max(len(q) for q, _ in paths), dtype=torch.int64)  # KV slot ids
             for q, _ in paths:
                 self.cache.insert(InsertParams(key=self.key(q), value=self.values[: len(q)]))
-            self.t: dict[str, list[float]] = {
-                "match": [],
-                "insert": [],
-                "match+insert": [],
-                "evict_one_leaf": [],
-            }
+            keys = ("match", "insert", "match+insert", "evict_one_leaf")
+            self.t: dict[str, list[float]] = {k: [] for k in keys}
 
         @staticmethod
         def key(q: np.ndarray) -> RadixKey:
@@ -402,11 +388,6 @@ def main(argv: list[str] | None = None) -> int:
     sparse.tree.check()
 
     res: dict[str, Any] = {
-        "machine": {
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-        },
         "sparse_tree_native": tree_lcp.HAVE_NATIVE_LCP,  # C LCP/descent built (else numpy fallback)
         "nodes": sparse.tree.num_nodes,
         "prompt_tokens": len(paths[0][0]),
@@ -428,10 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     sp = res["structures"]["sparse"]
     res["target"]["met"] = sp["match+insert_hint"]["median_us"] <= 50.0
 
-    rows = []
-    for s in structs:
-        for k, v in res["structures"][s.name].items():
-            rows.append([s.name, k, round(v["median_us"], 1), round(v["p99_us"], 1), v["n"]])
+    def row(name: str, label: str, v: dict[str, Any]) -> list[Any]:
+        return [name, label, round(v["median_us"], 1), round(v["p99_us"], 1), v["n"]]
+
+    rows = [row(s.name, k, v) for s in structs for k, v in res["structures"][s.name].items()]
     for label, key in (
         ("policy Evictor, 1 leaf, alpha 0", "sparse_policy_evictor_one_leaf"),
         ("policy Evictor, 1 leaf, alpha 2", "sparse_policy_evictor_one_leaf_alpha2"),
@@ -443,24 +424,10 @@ def main(argv: list[str] | None = None) -> int:
             "sparse_policy_round_scores_alpha2_sessions_chain_recency_off",
         ),
     ):
-        rows.append(
-            ["sparse", label, round(res[key]["median_us"], 1), round(res[key]["p99_us"], 1), res[key]["n"]]
-        )
-    for name, key in (
-        ("sparse", "sparse_match_list_input"),
-        ("sparse", "sparse_list_to_int32"),
-        ("baseline", "baseline_match_list_input"),
-    ):
+        rows.append(row("sparse", label, res[key]))
+    for key in ("sparse_match_list_input", "sparse_list_to_int32", "baseline_match_list_input"):
         if key in res:
-            rows.append(
-                [
-                    name,
-                    key.split("_", 1)[1],
-                    round(res[key]["median_us"], 1),
-                    round(res[key]["p99_us"], 1),
-                    res[key]["n"],
-                ]
-            )
+            rows.append(row(*key.split("_", 1), res[key]))
     print(table(rows, ["structure", "operation", "median us", "p99 us", "n"]))
     ratios: dict[str, float] = {}
     for other in ("baseline", "sglang"):
@@ -489,8 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         f"target match+insert median <= 50 us: {'met' if res['target']['met'] else 'NOT met'} "
         f"({sp['match+insert_hint']['median_us']:.1f} us); total {time.perf_counter() - t_start:.0f} s"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    write_json(args.out, res)
     return 0
 
 

@@ -11,27 +11,21 @@ For each sequence length T it times (min and median of ``--repeats`` interleaved
 and records max abs errors of the chunked path against the naive one (output, final state, states at the
 sparse boundaries).  Prints a table and writes ``benchmarks/results/gdn_capture.json``.
 
-Capture-overhead table (key ``capture_overhead`` of the JSON): the CPU prefill op the server runs,
+Capture-overhead table (key ``capture_overhead``): the CPU prefill op the server runs,
 :func:`sglang_sparse_kernels.sgl_kernel_cpu.chunk_gated_delta_rule` (fp32, ``--threads`` threads, packed
-``cu_seqlens`` + slot pool, l2norm in kernel, as in ``sglang_adapter/capture.py``), with a list capture of
-``n`` states per sequence (``--overhead-captures``, default 1 / 4 / 16; positions ``floor(i T / n / 64) *
-64`` for ``i = 1..n``, i.e. on the 64-token grid and always including the final position ``T``) against
-the same call without capture, for ``T`` in ``--overhead-ts``.  Variants are interleaved round-robin
-(order rotated every round), the working state slot is reset outside the timed region, and
-``--overhead-repeats * max(1, 8192 // T)`` rounds are run (more rounds for short, noisier T).  Reported
-per cell: min and median seconds, overhead % from the mins, from the medians and the median of the
-per-round paired ratios, plus ``copy_pct``: the capture's own work (``n`` state clones + pool stores,
-timed in isolation) as % of the plain call, i.e. what the overhead would be without timing noise, and
-``aa_noise_*``: the same overheads of an A/A control (a second, identical plain variant in the same
-rotation), i.e. the noise floor of the run.  ``*_cpu_*`` columns repeat the min-based numbers with the
-calling thread's CPU time (``time.thread_time``; with 1 torch thread all work is on it), which other
-processes on a shared machine inflate far less than wall time.
-Acceptance target: 4 captures per 16k-token sequence cost <= 2 % (judged on the min-based overhead).
+``cu_seqlens`` + slot pool, as in ``sglang_adapter/capture.py``), with a list capture of ``n`` states
+per sequence (``--overhead-captures``, default 1 / 4 / 16; positions ``floor(i T / n / 64) * 64`` for
+``i = 1..n-1``, plus ``T``) against the same call without capture, for ``T`` in ``--overhead-ts``;
+variants interleaved (order rotated every round), ``--overhead-repeats * max(1, 8192 // T)`` rounds.
+Per cell: min and median seconds, overhead % from the mins, the medians and the median of per-round
+paired ratios; ``copy_pct``: the capture's own work (state clones + pool stores, timed alone) as % of
+the plain call; ``aa_noise_*``: the same overheads of a second, identical plain variant (the run's
+noise floor); ``*_cpu_*``: the min-based figures from the thread's CPU time (``time.thread_time``),
+which other processes inflate far less than wall time. Acceptance: 4 captures per 16k-token sequence
+cost <= 2 % (min-based overhead).
 
-Default head config is a quarter of a Qwen3-Next GatedDeltaNet layer: ``H=4`` qk heads, ``HV=8`` value
-heads, ``K=V=128``, batch 1.  Runs single-threaded by default (``--threads``), which is
-both faster and far more stable than 2 threads on a shared 2-core machine.  Runtime with defaults is
-well under a minute when the machine is idle.
+Default heads: a quarter of a Qwen3-Next GatedDeltaNet layer (``H=4`` qk heads, ``HV=8`` value heads,
+``K=V=128``, batch 1), single-threaded (``--threads``).
 
 Usage: ``python benchmarks/gdn_capture.py [--ts 1024 4096 16384] [--repeats 5] [--naive-max-t 16384]``;
 ``--quick`` runs small sizes in a few seconds (used by the tests) and writes JSON only with ``--out``.
@@ -219,6 +213,10 @@ def capture_overhead_cell(
     return cells
 
 
+def _shape(H: int, HV: int, K: int, V: int) -> dict:
+    return {"B": 1, "H": H, "HV": HV, "K": K, "V": V, "dtype": "float32", "chunk_size": CHUNK}
+
+
 def run_capture_overhead(
     ts: list[int], n_caps: list[int], heads: tuple[int, int, int, int], repeats: int
 ) -> dict:
@@ -253,17 +251,20 @@ def run_capture_overhead(
         verdict = {**OVERHEAD_TARGET, "measured": False, "met": None}
         print("acceptance (4 captures / 16k tokens <= 2 %): not measured at these sizes")
     else:
+        keys = (
+            "overhead_min_pct",
+            "overhead_median_pct",
+            "overhead_paired_median_pct",
+            "copy_pct",
+            "overhead_cpu_min_pct",
+            "aa_noise_min_pct",
+            "aa_noise_median_pct",
+            "aa_noise_cpu_min_pct",
+        )
         verdict = {
             **OVERHEAD_TARGET,
             "measured": True,
-            "overhead_min_pct": target["overhead_min_pct"],
-            "overhead_median_pct": target["overhead_median_pct"],
-            "overhead_paired_median_pct": target["overhead_paired_median_pct"],
-            "copy_pct": target["copy_pct"],
-            "overhead_cpu_min_pct": target["overhead_cpu_min_pct"],
-            "aa_noise_min_pct": target["aa_noise_min_pct"],
-            "aa_noise_median_pct": target["aa_noise_median_pct"],
-            "aa_noise_cpu_min_pct": target["aa_noise_cpu_min_pct"],
+            **{k: target[k] for k in keys},
             "met": target["overhead_min_pct"] <= limit,
             "met_by_cpu_min": target["overhead_cpu_min_pct"] <= limit,
             "met_by_median": target["overhead_median_pct"] <= limit,
@@ -287,13 +288,7 @@ def run_capture_overhead(
     return {
         "config": {
             "op": "sglang_sparse_kernels.sgl_kernel_cpu.chunk_gated_delta_rule",
-            "B": 1,
-            "H": H,
-            "HV": HV,
-            "K": K,
-            "V": V,
-            "dtype": "float32",
-            "chunk_size": CHUNK,
+            **_shape(H, HV, K, V),
             "ts": ts,
             "captures": n_caps,
             "positions": "floor(i*T/n/64)*64 for i=1..n-1, plus T (final state)",
@@ -425,13 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "gdn_capture",
         "config": {
-            "B": 1,
-            "H": H,
-            "HV": HV,
-            "K": K,
-            "V": V,
-            "dtype": "float32",
-            "chunk_size": CHUNK,
+            **_shape(H, HV, K, V),
             "sparse_every": args.sparse_every,
             "repeats": args.repeats,
             "timing": "min wall seconds over interleaved repeats (medians in *_median_s)",

@@ -25,13 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from sglang_sparse.models.tiny import make_tiny_model
 from sglang_sparse.testing.server import SGLangServer
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns
 
-from ._common import results_dir, write_json
+from ._common import bar, results_dir, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,22 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"args": vars(args), "context_length": context}
     srv = SGLangServer(model, ["--radix-cache-backend", "sparse"], env, **common).start(timeout=600)
     try:
-        with tqdm(total=args.turns, desc="long session (turns)") as bar:
+        with bar(args.turns, "long session (turns)") as pb:
             chain = run_sessions(
                 lambda p, n: srv.generate(p, n, timeout=600),
                 sessions=1,
                 turns=args.turns,
                 seed=1,
-                progress=lambda k: bar.update(1),
+                progress=lambda k: pb.update(1),
             )
         alive_after_chain = srv.alive()
-        with tqdm(total=args.session_turns, desc=f"{args.sessions} interleaved sessions (rounds)") as bar:
+        with bar(args.session_turns, f"{args.sessions} interleaved sessions (rounds)") as pb:
             inter = run_sessions(
                 lambda p, n: srv.generate(p, n, timeout=600),
                 sessions=args.sessions,
                 turns=args.session_turns,
                 seed=2,
-                progress=lambda k: bar.update(1),
+                progress=lambda k: pb.update(1),
             )
         s = srv.wait_sparse_idle(timeout=120)
     finally:

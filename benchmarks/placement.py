@@ -8,41 +8,19 @@ recomputes ``d - c`` recurrent tokens of the shared prefix, ``d`` = the deepest 
 reduction factor is ``sum d / sum (d - c)`` over the trace (no-cache recompute / recompute).
 
 Methods, each with a budget of ``M`` checkpoints per entry on the 64-token grid (``tree``: see there):
-  * ``dp`` - the online planner of the package, :class:`sglang_sparse.placement.online.OnlinePlanner`
-    (it lives in ``sglang_sparse.placement`` but the radix tree does **not** call it; ``tree`` is
-    what the product does): every entry keeps an EW histogram (gamma) of the overlap depths that
-    requests had with it (seeded with the ``K`` requests before it, then every later request),
-    re-planned every ``R`` observations by ``OnlinePlanner`` (own law + global ``DepthPrior`` +
-    uniform hedge, DP, balanced fill); newly planned positions are captured only when a later
-    request's prefill passes them (``passed_positions``: ``resume <= p <= LCP``), and ``admit``
-    makes room over budget.
-  * ``tree`` - what the product's radix tree does (:class:`TreePlanner`): per budget, one
-    :class:`~sglang_sparse.policy.HybridCache` (``sparse`` policy, ``plan_budget=M``) holds exactly
-    the live entries (its tree shares their common prefixes) and serves every request through the
-    product's own calls, as the simulator does: ``match``; ``observe`` (the edge holding the match
-    depth records it in its EW ``DepthHistogram``, every ancestor edge records its end; an edge is
-    re-planned by ``solve_dp`` with budget ``M`` on its grid candidates plus its end, after every
-    observation while young and then every ``R``, skipped while its plan is fresh; a match ending
-    on a leaf teaches the ``TailPrior`` its suffix distance); ``capture_plan`` (sparse admission:
-    the planned positions the prefill passes, ``resume < p <= LCP``, + the Marconi branch point +
-    the tail prior's positions on the new leaf, or its last token while the prior warms up; none
-    shallower than one grid step); ``insert`` of input + output with those states. Positions are on
-    the grid or at edge ends (divergence depths, sequence ends), which the product's candidates
-    include. There is no seeding from past requests and no per-entry budget in the product:
-    ``plan_budget`` bounds each edge's *plan*, the states held are bounded only by the global byte
-    budget. So the budget is applied as the product's memory pressure would (``--tree-budget
-    pooled``, the default): after each request, checkpoints are dropped in the product's eviction
-    order (``Evictor.scores()``: every state by its own recency as a resume point; alpha = 0, the
-    product's bootstrap value) until the tree holds at most ``M`` distinct states per live entry,
-    a shared prefix's state counting once (its x value is that count). The product's eviction
-    would also drop whole leaves and truncate dead KV tails; with the contents held fixed only
-    checkpoint drops are used. ``--tree-budget entry`` instead keeps every entry's root-to-leaf
-    path within ``M`` (a shared state counting for every entry through it, as the duplicated
-    per-entry states of the other methods do) by dropping, in the same order, checkpoints on
-    over-budget paths. The JSON rows give both counts (``states_per_entry``,
-    ``path_checkpoints_per_entry``). An entry leaving the window loses the part of its path no
-    live entry shares (``drop_leaf`` / ``truncate``, then the evictor's merge of a checkpoint-free
-    single-child node).
+  * ``dp`` - the package's online planner (:class:`sglang_sparse.placement.online.OnlinePlanner`;
+    the radix tree does **not** call it): per entry an EW histogram (gamma) of the overlap depths
+    of requests with it (seeded with the ``K`` requests before it), re-planned every ``R``
+    observations; newly planned positions are captured only when a later request's prefill passes
+    them (``resume <= p <= LCP``), and ``admit`` makes room over budget.
+  * ``tree`` - what the product's radix tree does (:class:`TreePlanner`): a ``sparse``
+    :class:`~sglang_sparse.policy.HybridCache` (``plan_budget=M``) holding exactly the live entries
+    serves every request through the product's own calls (``match``, ``observe``, ``capture_plan``,
+    ``insert``). The product has no per-entry budget, so ``M`` is applied in its eviction order
+    (checkpoint drops only, the contents stay fixed): ``--tree-budget pooled`` (default) keeps at most
+    ``M`` distinct states per live entry (a shared prefix's state counting once), ``entry`` at most
+    ``M`` checkpoints on every entry's root-to-leaf path. The JSON rows give both counts
+    (``states_per_entry``, ``path_checkpoints_per_entry``).
   * ``block`` / ``balanced`` / ``log`` / ``sqrt`` - the budgeted baselines (placement.BASELINES).
   * ``oracle`` - the DP fed each entry's true lifetime overlap law (an upper bound for per-entry
     grid placement; ``tree`` can exceed it: it also checkpoints off-grid edge ends).
@@ -53,7 +31,8 @@ median input of ~250 tokens and the prefix sharing kept (:func:`short_prompt_var
 Acceptance: ``dp`` >= block, balanced, log and sqrt at every ``M`` on every set, long and short.
 Also reported (never fails the run): whether ``tree`` >= those baselines at every ``M`` on every set.
 
-Part 2 - DP solve time vs N (blocks) and M: native hull, Python hull and the O(N²M) reference.
+Part 2 - DP solve time (ms) vs N (64-token blocks) and M: native hull, Python hull and the O(N²M)
+reference.
 
 Run: ``python -m benchmarks.placement [--traces traces/build] [--quick]``. Writes
 ``benchmarks/results/placement.json``, ``placement_pareto.png``, ``placement_dp_time.json`` and
@@ -92,7 +71,7 @@ from sglang_sparse.sim.models import cost_model
 from sglang_sparse.tree import Node, as_tokens
 from sglang_sparse.tree.lcp import lcp_numpy
 
-from ._common import REPO, progress, pyplot, table, write_json
+from ._common import REPO, progress, pyplot, results_dir, save, table, write_json
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -636,15 +615,7 @@ def plot_pareto(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), squeeze=False)
     for ax in axes.flat[len(results) :]:
         ax.set_visible(False)
-    style = {
-        "dp": "o-",
-        "tree": "D-",
-        "oracle": "k:",
-        "block": "s--",
-        "balanced": "^--",
-        "log": "v--",
-        "sqrt": "d--",
-    }
+    style = dict(dp="o-", tree="D-", oracle="k:", block="s--", balanced="^--", log="v--", sqrt="d--")
     for ax, (name, r) in zip(axes.flat, results.items(), strict=False):
         for method, mk in style.items():
             if method not in r["methods"]:
@@ -669,16 +640,13 @@ def plot_pareto(results: dict, path: Path) -> None:
         ax.set_title(f"{name} ({r['requests']} req., median input {r['median_input_tokens']:.0f} tok)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_dp_time(timing: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
-
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for name, mk in (("native", "o-"), ("python", "s-"), ("reference", "^-")):
         pts = [(r["n_blocks"], r[name]) for r in timing["rows"] if r["budget"] == 64 and name in r]
@@ -689,33 +657,25 @@ def plot_dp_time(timing: dict, path: Path) -> None:
     ax.set_ylabel("solve time (ms)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", type=Path, default=REPO / "traces" / "build", help="folder of built traces")
     ap.add_argument("--names", nargs="+", default=list(PARETO_TRACES), help="traces for the Pareto front")
-    ap.add_argument(
+    add = ap.add_argument
+    add(
         "--short-names",
         nargs="*",
         default=list(PARETO_TRACES),
         help="traces whose short-prompt variant is also replayed (none: skip)",
     )
-    ap.add_argument(
-        "--short-median",
-        type=int,
-        default=SHORT_MEDIAN,
-        help="target median input of the short sets (tokens)",
-    )
-    ap.add_argument("--limit", type=int, default=None, help="use only the first N requests of each trace")
-    ap.add_argument("--entries", type=int, default=32, help="K: the cache keeps the last K requests")
-    ap.add_argument(
-        "--quick", action="store_true", help="small run (CI smoke): 300 requests, no big reference DP"
-    )
-    ap.add_argument(
+    add("--short-median", type=int, default=SHORT_MEDIAN, help="target median input of short sets (tokens)")
+    add("--limit", type=int, default=None, help="use only the first N requests of each trace")
+    add("--entries", type=int, default=32, help="K: the cache keeps the last K requests")
+    add("--quick", action="store_true", help="small run (CI smoke): 300 requests, no big reference DP")
+    add(
         "--tree-budget",
         choices=TREE_BUDGET_RULES,
         default="pooled",
@@ -726,8 +686,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick and args.limit is None:
         args.limit = 300
-    from ._common import results_dir
-
     out = results_dir(args.quick)
     results = pareto(
         args.traces,
@@ -739,6 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.tree_budget,
     )
     acc = acceptance(results)
+    holds = all(not a["dp_loses_to"] for a in acc.values())
     tree_holds = all(not a["tree_loses_to"] for a in acc.values())
     write_json(
         "placement",
@@ -749,24 +708,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             "short_median_target": args.short_median,
             "traces": results,
             "acceptance": acc,
-            "acceptance_holds": all(not a["dp_loses_to"] for a in acc.values()),
+            "acceptance_holds": holds,
             "tree_budget_rule": args.tree_budget,
             "tree_beats_baselines": tree_holds,
         },
         out,
     )
     plot_pareto(results, out / "placement_pareto.png")
+    cols = ("dp", "tree", "oracle", "block", "balanced", "log", "sqrt")
     for name, r in results.items():
-        rows = []
-        for i, m in enumerate(BUDGETS):
-            rows.append(
-                [m]
-                + [
-                    r["methods"][k][i]["reduction"]
-                    for k in ("dp", "tree", "oracle", "block", "balanced", "log", "sqrt")
-                ]
-                + [r["methods"]["tree"][i]["checkpoints_per_entry"]]
-            )
+        meth = r["methods"]
+        rows = [
+            [m, *(meth[k][i]["reduction"] for k in cols), meth["tree"][i]["checkpoints_per_entry"]]
+            for i, m in enumerate(BUDGETS)
+        ]
         what = f"{r['requests']} requests, median input {r['median_input_tokens']:.0f} tokens"
         if "stride" in r:
             what += f", every {r['stride']}th input token of {r['source']}"
@@ -774,8 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\n== {name} ({what}): recurrent-work reduction (x) by checkpoint budget M, "
             f"last-{args.entries} entries"
         )
-        header = ["M", "dp", "tree", "oracle", "block", "balanced", "log", "sqrt", "tree ckpt/entry"]
-        print(table(rows, header))
+        print(table(rows, ["M", *cols, "tree ckpt/entry"]))
         print(f"   DP loses to a baseline at: {acc[name]['dp_loses_to'] or 'nowhere'}")
         tree_losses = [(x["baseline"], x["budget"]) for x in acc[name]["tree_loses_to"]]
         print(f"   tree (the product) loses to a baseline at: {tree_losses or 'nowhere'}")
@@ -785,7 +739,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{x['block_reduction']:.3g}x; DP matches with M={x['dp_budget_needed']} "
                 f"(ratio {x['ratio'] if x['ratio'] is None else round(x['ratio'], 3)})"
             )
-    holds = all(not a["dp_loses_to"] for a in acc.values())
     print(
         "\n== acceptance (online DP >= block, balanced, log, sqrt at every M): "
         + ("holds on every set" if holds else "FAILS")

@@ -7,8 +7,8 @@ Fits ``time = a + b * tokens`` by least squares and reports R^2.
 
 Outputs ``benchmarks/results/prefill_cpu.json`` and ``benchmarks/results/prefill_cpu.png``.
 
-    .venv/bin/python benchmarks/prefill_cpu.py                 # ~3-5 min on 2 cores
-    .venv/bin/python benchmarks/prefill_cpu.py --tokens 256 1024 --reps 1   # quick look
+    .venv/bin/python -m benchmarks.prefill_cpu               # ~3-5 min on 2 cores
+    .venv/bin/python -m benchmarks.prefill_cpu --tokens 256 1024 --reps 1   # quick look
 """
 
 from __future__ import annotations
@@ -87,12 +87,11 @@ def report(result: dict[str, Any], out_dir: Path) -> None:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Scatter of every measurement, the per-length median, and the fitted line."""
-    from benchmarks._common import pyplot
+    from benchmarks._common import pyplot, save
 
     plt = pyplot()
     if plt is None:
         return
-
     pts = result["measurements"]
     fit = result["fit"]
     xs = [p["tokens"] for p in pts]
@@ -126,9 +125,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

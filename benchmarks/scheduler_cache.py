@@ -1,12 +1,9 @@
 """Scheduler-side cache time per request of SGLang's real ``UnifiedRadixCache`` (hybrid GDN model).
 
-A faithful harness of what SGLang 0.5.23's scheduler does with its tree cache, without a model
-forward: the real CPU pools (``HybridReqToTokenPool`` with its ``MambaPool``, a
-``HybridLinearKVPool`` and the ``TokenToKVPoolAllocator``, built like
-``mem_cache/kv_cache_configurator.py`` does, 1 attention + 1 GDN layer, 1 KV head of dim 8), the
-real ``Req`` (``managers/schedule_batch.py``), and the real cache built by ``create_tree_cache``
-from a ``TreeCacheBuildContext`` (``mem_cache/registry.py``), so the ``sparse`` backend goes
-through its registered factory exactly as in the scheduler. Per request, in scheduler order:
+A harness of what SGLang 0.5.23's scheduler does with its tree cache, without a model forward: the
+real CPU pools (built like ``mem_cache/kv_cache_configurator.py``; 1 attention + 1 GDN layer, 1 KV
+head of dim 8), the real ``Req`` and the real cache from ``create_tree_cache`` (so the ``sparse``
+backend goes through its registered factory). Timed per request, in scheduler order:
 
 1. ``match``: ``Req.init_next_round_input(tree_cache)`` (``match_kv_cache`` with
    ``cow_mamba=True``; allocates the request's Mamba slot from the match's state);
@@ -24,13 +21,13 @@ through its registered factory exactly as in the scheduler. Per request, in sche
    free, unlock, ``on_release``).
 
 Workload (random token ids, seeded, identical for every configuration): ``--docs`` documents of
-~32k tokens, each followed by short questions (prompt = document + question, ~32k tokens),
-multi-turn continuations (prompt = previous prompt + its output + a new user turn) and repeats.
-Warm-up grows SGLang's tree to ~``--nodes`` nodes (the pools are sized so that it just fits), then
-``--requests`` requests are timed (eviction happens there: new documents arrive). After the timed
-phase, eviction walks at that tree size: ``evict(mamba_num=1)`` and ``evict(num_tokens=1)``, with
-the Mamba/KV components' ``_evict_device_start`` and first ``_evict_device_next_node`` timed apart
-(Python tree cores only).
+~32k tokens, then questions (document + question), multi-turn continuations (an earlier prompt + its
+output + a new user turn) and repeats. ``--warmup`` requests grow SGLang's tree (the pools are sized
+so that it just fits), then ``--requests`` requests are timed (new documents arrive: eviction). Then
+eviction walks at that tree size: ``evict(mamba_num=1)`` and ``evict(num_tokens=1)``, with the
+Mamba/KV components' ``_evict_device_start`` and first ``_evict_device_next_node`` timed apart
+(Python tree cores only). Times in the tables: ms per request (median, p90, per operation), us per
+eviction call.
 
 Configurations (one subprocess each, so each gets its own published ``ServerArgs``):
 
@@ -60,7 +57,7 @@ import warnings
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,22 +85,15 @@ MODEL_DIR = Path(tempfile.gettempdir()) / "sglang_sparse_scheduler_cache_model"
 # ---------------------------------------------------------------------- workload
 
 
-@dataclass
-class Workload:
-    """Seeded request stream: ``warmup`` then ``timed`` prompts (int64 token arrays) and output
-    lengths. Continuations reuse the *outputs* of earlier requests, which the harness generates
-    deterministically from the request index (:func:`output_ids`)."""
-
-    docs: int
-    doc_len: int
-    warmup: list[tuple[str, Any]] = field(default_factory=list)
-    timed: list[tuple[str, Any]] = field(default_factory=list)
+def random_ids(rng: np.random.Generator, n: int) -> array:
+    """``n`` random token ids in ``[4, 2^30)`` as SGLang's ``array('q')``."""
+    return array("q", rng.integers(4, 2**30, size=n, dtype=np.int64).tobytes())
 
 
 def output_ids(i: int, n: int) -> array:
-    """The ``n`` generated token ids of request ``i`` (deterministic, no model)."""
-    rng = np.random.default_rng(10_000_019 + i)
-    return array("q", rng.integers(4, 2**30, size=n, dtype=np.int64).tobytes())
+    """The ``n`` generated token ids of request ``i`` (deterministic, no model): continuations
+    reuse the outputs of earlier requests."""
+    return random_ids(np.random.default_rng(10_000_019 + i), n)
 
 
 def build_workload(
@@ -123,7 +113,7 @@ def build_workload(
     rng = np.random.default_rng(seed)
 
     def rand(n: int) -> array:
-        return array("q", rng.integers(4, 2**30, size=n, dtype=np.int64).tobytes())
+        return random_ids(rng, n)
 
     doc_tokens: list[array] = []
     reqs: list[dict[str, Any]] = []
@@ -145,23 +135,13 @@ def build_workload(
             continue
         if u < 0.55:
             d = int(rng.integers(len(doc_tokens)))
-            reqs.append(
-                {
-                    "kind": "question",
-                    "prompt": doc_tokens[d] + rand(int(rng.integers(256, 1024))),
-                    "out": out_len,
-                }
-            )
+            prompt = doc_tokens[d] + rand(int(rng.integers(256, 1024)))
+            reqs.append({"kind": "question", "prompt": prompt, "out": out_len})
         elif u < 0.85:
             j = int(rng.integers(len(reqs)))
             prev = reqs[j]
-            reqs.append(
-                {
-                    "kind": "turn",
-                    "prompt": prev["prompt"] + output_ids(j, prev["out"]) + rand(int(rng.integers(64, 256))),
-                    "out": out_len,
-                }
-            )
+            prompt = prev["prompt"] + output_ids(j, prev["out"]) + rand(int(rng.integers(64, 256)))
+            reqs.append({"kind": "turn", "prompt": prompt, "out": out_len})
         else:
             j = int(rng.integers(len(reqs)))
             reqs.append({"kind": "repeat", "prompt": reqs[j]["prompt"], "out": out_len})
@@ -575,21 +555,11 @@ class Sizes:
 
 def plan_sizes(quick: bool, args: argparse.Namespace) -> Sizes:
     """Sizes for a full or ``--quick`` run; pools hold ~95% of what the warm-up writes."""
-    if quick:
-        s = Sizes(
-            docs=24, doc_len=31 * 1024, warmup=220, requests=60, out=8, chunk=8192, new_doc_frac=0.05, walks=5
-        )
-    else:
-        s = Sizes(
-            docs=180,
-            doc_len=31 * 1024,
-            warmup=5000,
-            requests=300,
-            out=16,
-            chunk=8192,
-            new_doc_frac=0.05,
-            walks=20,
-        )
+    s = Sizes(
+        docs=24, doc_len=31 * 1024, warmup=220, requests=60, out=8, chunk=8192, new_doc_frac=0.05, walks=5
+    )
+    if not quick:
+        s.docs, s.warmup, s.requests, s.out, s.walks = 180, 5000, 300, 16, 20
     for k in ("docs", "warmup", "requests", "chunk"):
         v = getattr(args, k, None)
         if v is not None:
@@ -744,7 +714,7 @@ def smoke(names: list[str]) -> dict[str, Any]:
     rng = np.random.default_rng(7)
 
     def rand(n: int) -> array:
-        return array("q", rng.integers(4, 2**30, size=n, dtype=np.int64).tobytes())
+        return random_ids(rng, n)
 
     doc = rand(200)
     first = doc + rand(100)
@@ -835,9 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", default=None, help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--smoke", action="store_true", help="tiny correctness run (JSON to stdout), for the tests"
-    )
+    ap.add_argument("--smoke", action="store_true", help="tiny correctness run (JSON to stdout; tests)")
     args = ap.parse_args(argv)
     if args.smoke:
         print("SMOKE " + json.dumps(smoke([c for c in args.configs.split(",") if c])), flush=True)
@@ -876,20 +844,15 @@ def main(argv: list[str] | None = None) -> int:
     ok = [r for r in results.values() if "error" not in r]
     header = ["config", "core", "nodes", "med ms", "p90 ms", *[f"{k} ms" for k in OPS], "hit rate"]
     print(table([_row(r) for r in ok], header))
-    ratios: dict[str, float] = {}
-    base = results.get("native")
-    if base is not None and "error" not in base:
+    ratios: dict[str, float] = {}  # every config vs native, the sparse ones vs native_python
+    for ref, of in (("native", lambda c: c != "native"), ("native_python", lambda c: c.startswith("sparse"))):
+        base = results.get(ref)
+        if base is None or "error" in base:
+            continue
         for r in ok:
-            if r["config"] != "native":
-                ratios[f"{r['config']}/native"] = (
+            if of(r["config"]):
+                ratios[f"{r['config']}/{ref}"] = (
                     r["per_request"]["median_us"] / base["per_request"]["median_us"]
-                )
-    py = results.get("native_python")
-    if py is not None and "error" not in py:
-        for r in ok:
-            if r["config"].startswith("sparse"):
-                ratios[f"{r['config']}/native_python"] = (
-                    r["per_request"]["median_us"] / py["per_request"]["median_us"]
                 )
     for k, v in ratios.items():
         print(f"{k:28s} {v:6.2f}x  (per-request median)")
@@ -897,22 +860,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in ok:
         w = r["eviction_walks"]
         for lab in ("mamba", "kv"):
-            walk_rows.append(
-                [
-                    r["config"],
-                    lab,
-                    w.get("nodes_before"),
-                    round(w[f"{lab}_evict_call"]["median_us"], 1),
-                    round(w.get(f"{lab}_walk_start", {}).get("median_us", float("nan")), 1),
-                    round(w.get(f"{lab}_walk_first_next", {}).get("median_us", float("nan")), 1),
-                    round(w.get(f"{lab}_walk_start_plus_first_next", {}).get("median_us", float("nan")), 1),
-                ]
-            )
-    print(
-        table(
-            walk_rows, ["config", "walk", "nodes", "evict() us", "start us", "1st next us", "start+next us"]
-        )
-    )
+            parts = ("evict_call", "walk_start", "walk_first_next", "walk_start_plus_first_next")
+            meds = [round(w.get(f"{lab}_{k}", {}).get("median_us", float("nan")), 1) for k in parts]
+            walk_rows.append([r["config"], lab, w.get("nodes_before"), *meds])
+    header = ["config", "walk", "nodes", "evict() us", "start us", "1st next us", "start+next us"]
+    print(table(walk_rows, header))
     targets: dict[str, Any] = {"sparse_over_native_per_request_max": 1.5, "eviction_walk_max_us": 1000.0}
     if "sparse/native" in ratios:
         targets["sparse_over_native"] = ratios["sparse/native"]

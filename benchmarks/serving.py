@@ -13,12 +13,11 @@ dominates), replays a prefix of the trace **sequentially** and records per reque
 * prefilled tokens (``prompt_tokens - cached_tokens``) and cached tokens (SGLang ``meta_info``);
 * the generated token, compared with the no-cache run (token equality).
 
-Trace shrinking (deterministic, keeps prefix structure): real traces are 10k-30k tokens, far too
-long for a CPU. Each input ``x`` becomes ``x[:n-T][::k] + x[n-T:]`` (every ``k``-th token of the
-head, the last ``T`` tokens verbatim) and is truncated to the context; requests sharing a head
-prefix still share the (shorter) prefix, and their distinct tails (questions, user turns) stay
-distinct. Ids are remapped into the model vocabulary by a fixed multiplicative hash. Multi-turn
-traces lose part of their turn-extends-turn structure under this map (documented limit).
+Trace shrinking (deterministic, keeps prefix structure; real prompts are 10k-30k tokens): each input
+``x`` becomes ``x[:n-T][::k] + x[n-T:]`` (every ``k``-th token of the head, the last ``T`` tokens
+verbatim), truncated to the context; requests sharing a head prefix still share the (shorter)
+prefix, their distinct tails stay distinct. Ids are remapped into the model vocabulary by a fixed
+multiplicative hash. Multi-turn traces lose part of their turn-extends-turn structure under this map.
 
 Outputs: ``benchmarks/results/serving.json`` and ``benchmarks/results/serving.png``.
 
@@ -60,7 +59,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: `python benchmarks/serving.py`
     sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+
+from benchmarks._common import RESULTS, bar, pyplot, results_dir, save  # noqa: E402
+
 TRACES = ROOT / "traces" / "build"
 
 CHUNK = 512
@@ -118,7 +119,7 @@ def run_config(
     extra: list[str],
     env: dict,
     traces: dict,
-    bar,
+    progress: Any,
     context: int,
     log_dir: Path = RESULTS,
     strategy: str = "no_buffer",
@@ -158,7 +159,7 @@ def run_config(
                         "token": r.output_ids,
                     }
                 )
-                bar.update(1)
+                progress.update(1)
             stats = None
             if extra and extra[0] == "--radix-cache-backend":
                 info = requests.get(f"{srv.url}/server_info", timeout=60).json()
@@ -256,12 +257,9 @@ def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | Non
 
 
 def plot(summary: dict, path: Path) -> None:
-    from benchmarks._common import pyplot
-
     plt = pyplot()
     if plt is None:
         return
-
     tnames = list(summary)
     fig, axes = plt.subplots(1, len(tnames), figsize=(5.5 * len(tnames), 4), squeeze=False)
     for ax, t in zip(axes[0], tnames, strict=True):
@@ -284,8 +282,7 @@ def plot(summary: dict, path: Path) -> None:
                 textcoords="offset points",
             )
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path, dpi=120)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -385,8 +382,6 @@ def hicache_summary(results: dict[str, dict], ideal: int | None = None) -> dict[
 
 def plot_hicache(raw: dict, summary: dict, path: Path) -> None:
     """Cumulative prefilled tokens per request, one panel per trace, one line per config."""
-    from benchmarks._common import pyplot
-
     plt = pyplot()
     if plt is None:
         return
@@ -404,34 +399,31 @@ def plot_hicache(raw: dict, summary: dict, path: Path) -> None:
         ax.set_xlabel("request")
         ax.set_ylabel("cumulative prefilled tokens")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path, dpi=120)
 
 
 def run_hicache(
     args: argparse.Namespace, model_dir: Path, traces: dict[str, list[list[int]]], context: int
 ) -> int:
     """The ``--hicache`` mode: one server per trace and config (sizes per trace), sequential replay."""
-    from tqdm import tqdm
-
     sizing = {t: hicache_sizing(v) for t, v in traces.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     total = sum(len(hicache_configs(2.0)) * len(v) for v in traces.values())
     t0 = time.time()
     raw: dict[str, Any] = {}
-    with tqdm(total=total, desc="serving hicache", file=sys.stderr) as bar:
+    with bar(total, "serving hicache") as progress:
         for t, reqs in traces.items():
             sz = sizing[t]
             raw[t] = {"sizing": sz, "configs": {}}
             for cname, (extra, env, strategy) in hicache_configs(sz["hicache_ratio"]).items():
-                bar.set_postfix_str(f"{t}/{cname}")
+                progress.set_postfix_str(f"{t}/{cname}")
                 res = run_config(
                     model_dir,
                     f"hicache_{t}_{cname}",
                     extra,
                     env,
                     {t: reqs},
-                    bar,
+                    progress,
                     context,
                     args.out.parent,
                     strategy,
@@ -509,13 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.out is None:
-        from benchmarks._common import results_dir
-
         args.out = results_dir(args.quick) / ("serving_hicache.json" if args.hicache else "serving.json")
     if args.traces is None:
         args.traces = HICACHE_TRACES if args.hicache else "doc_qa,system_prompts"
-
-    from tqdm import tqdm
 
     from sglang_sparse.models.tiny import SIZES, make_tiny_model
 
@@ -538,11 +526,11 @@ def main(argv: list[str] | None = None) -> int:
     total = len(cfgs) * sum(len(v) for v in traces.values())
     t0 = time.time()
     results: dict[str, Any] = {}
-    with tqdm(total=total, desc="serving replay", file=sys.stderr) as bar:
+    with bar(total, "serving replay") as progress:
         for cname, (extra, env, strategy) in cfgs.items():
-            bar.set_postfix_str(cname)
+            progress.set_postfix_str(cname)
             results[cname] = run_config(
-                model_dir, cname, extra, env, traces, bar, context, args.out.parent, strategy
+                model_dir, cname, extra, env, traces, progress, context, args.out.parent, strategy
             )
     ideal = {t: ideal_prefilled(v) for t, v in traces.items()}
     summary = summarize(results, trace_names, ideal)

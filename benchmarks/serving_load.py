@@ -1,126 +1,73 @@
-"""Serving comparisons under real load, with SGLang's own benchmark client (issue 12).
+"""Serving comparisons under real load, with SGLang's own benchmark client.
 
-Every cache configuration runs as its own real SGLang server on the CPU, all at the same time on
-different loopback ports (the random-weight tiny hybrid Qwen3-Next of
-:mod:`sglang_sparse.models.tiny`, with its word-level tokenizer):
+Every configuration (:data:`CONFIGS`) runs as its own real SGLang CPU server, all at once on
+different loopback ports (the random-weight tiny hybrid Qwen3-Next of :mod:`sglang_sparse.models.tiny`,
+word-level tokenizer):
 
-* ``native_eb`` - SGLang's own radix cache on its GPU default path: the ``extra_buffer`` Mamba
-  strategy with the overlap schedule on (on the CPU through the project's platform,
-  ``SGLANG_PLATFORM=sglang_sparse_cpu``); the baseline of every ratio;
-* ``native_eb_py`` - ``native_eb`` on SGLang's Python tree core
-  (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``; the default core is Rust, and component hooks
-  such as the sparse backend's run only on the Python one): how much of ``sparse``'s CPU cost is
-  that core's (not in the default set);
-* ``native``  - SGLang's own radix cache on ``no_buffer`` (a state at chunk ends; overlap off);
-* ``sparse``  - ``--radix-cache-backend sparse``, ``SGLANG_SPARSE_POLICY=sparse``, on extra_buffer
-  (overlap on); ``sparse_nb`` the same on no_buffer;
-* ``lru``, ``marconi`` - the same backend on extra_buffer with ``SGLANG_SPARSE_POLICY=lru`` /
-  ``marconi``;
-* ``sparse_a0`` / ``sparse_a8`` - ``sparse`` with the eviction weight fixed
-  (``SGLANG_SPARSE_ALPHA=0`` / ``8``: no tuning replay);
-* ``sparse_cut`` - ``sparse`` with ``SGLANG_SPARSE_CAPTURE=cut`` (planned states by chunk cuts
-  instead of in-forward capture; not in the default set);
-* ``nocache`` - ``--disable-radix-cache`` (the reference for token equality);
-* ``NAME#2`` (any suffix after ``#``) - a second, independent server of configuration ``NAME``: the
-  A/A control. Its ratios to ``NAME`` (and its ``ttft_vs_prefill`` gap) show how far two server
-  processes of one configuration differ on this machine, the floor for reading any A/B ratio.
+* ``native_eb`` - SGLang's radix cache on its GPU default path (``extra_buffer`` Mamba strategy,
+  overlap schedule on; on the CPU through ``SGLANG_PLATFORM=sglang_sparse_cpu``), the baseline of
+  every ratio; ``native_eb_py`` the same on SGLang's Python tree core (the core the sparse backend's
+  component hooks need; not in the default set);
+* ``native`` - SGLang's radix cache on ``no_buffer`` (a state at chunk ends; overlap off);
+* ``sparse`` - ``--radix-cache-backend sparse``, ``SGLANG_SPARSE_POLICY=sparse``, on extra_buffer;
+  ``sparse_nb`` the same on no_buffer; ``lru`` / ``marconi`` the backend with those policies;
+  ``sparse_a0`` / ``sparse_a8`` the eviction weight fixed (``SGLANG_SPARSE_ALPHA``, no tuning replay);
+  ``sparse_cut`` states planned by chunk cuts (``SGLANG_SPARSE_CAPTURE=cut``; not in the default set);
+* ``nocache`` - ``--disable-radix-cache``, the reference for token equality;
+* ``NAME#2`` (any suffix after ``#``) - a second, independent server of ``NAME``: the A/A control, how
+  far two server processes of one configuration differ (the floor for reading any A/B ratio).
 
-Server flags on top of :data:`sglang_sparse.testing.server.CPU_SERVER_ARGS`: the tokenizer is on
-(no ``--skip-tokenizer-init``; the client sends text and times streamed text), ``--sleep-on-idle``
-(measured: an idle CPU server otherwise spins a core, 20.2 CPU-seconds in 20 s idle vs 0.44 s, which
-would steal one of the two cores from the server under test), ``--chunked-prefill-size
---chunk``, a chat template, and the per-workload pool sizes below.
+Server flags on top of :data:`sglang_sparse.testing.server.CPU_SERVER_ARGS`: the tokenizer on (the
+client sends text and times streamed text), ``--sleep-on-idle`` (an idle server otherwise spins a
+core), ``--chunked-prefill-size --chunk``, a chat template and the pools below. Load: SGLang's client
+(``sglang.benchmark.serving`` via :mod:`benchmarks.bench_client`, one persistent process), Poisson
+arrivals at each ``--rates`` value plus one run capped at ``--max-concurrency`` requests in flight
+(rate ``inf``); it measures req/s, output tok/s, TTFT p50/p95/p99 and ITL p50/p95 (ms).
 
-Load comes from SGLang's client (``sglang.benchmark.serving``, via :mod:`benchmarks.bench_client`,
-one persistent client process): Poisson arrivals at each ``--rates`` value plus one run capped at
-``--max-concurrency`` requests in flight (rate ``inf``). The client measures request and output
-throughput, TTFT p50/p95/p99 and ITL p50/p95 (all in its own units: req/s, tok/s, ms).
+Workloads (``python -m sglang_sparse.traces build all --out traces/build``): ``doc_qa``,
+``system_prompts``, ``rag``: the first ``--requests`` of the trace shrunk by
+:func:`benchmarks.serving.load_requests` (median prompt ``--target-len`` tokens, last 48 verbatim),
+the client's ``custom`` dataset, written so that the client's seeded shuffle sends them in trace order
+(checked per run from the prompt lengths the server reports). ``agent``: the first
+``--agent-sessions`` SWE-agent sessions, ``--agent-turns`` turns each, as the ``agentic-trace``
+dataset (chat endpoint, template :data:`benchmarks.bench_client.WORD_CHAT_TEMPLATE`: each prompt =
+previous prompt + the server's reply + the new message; every turn's new tokens shrunk by one stride,
+median last prompt ~``--agent-target-len``); its rates are sessions/s (``--agent-rates``).
 
-Workloads (traces from ``python -m sglang_sparse.traces build all --out traces/build``):
+Pools, per workload, put the cache under contention: ``--max-total-tokens`` = max(``--pool-fraction``
+x the unique-prefix footprint (the distinct tokens of all prompts + outputs: their radix tree), 2 x
+the longest sequence); ``--max-mamba-cache-size`` = 5 x ``--min-running`` working slots +
+``--pool-fraction`` x the reuse points (distinct depths at which a request reuses an earlier sequence:
+the states a perfect cache needs). The JSON records both pools and the fractions they are.
 
-* ``doc_qa``, ``system_prompts``, ``rag``: single-turn requests sharing prefixes, the first
-  ``--requests`` of each trace shrunk by :func:`benchmarks.serving.load_requests` (median prompt
-  ``--target-len`` tokens, last 48 tokens verbatim), exported as the client's ``custom`` dataset
-  (word-level text that the tiny tokenizer maps back to exactly those ids). The client shuffles
-  custom rows with ``--seed``; the file is written in the inverse order, so requests arrive in trace
-  order (checked per run from the prompt lengths the server reports).
-* ``agent``: the first ``--agent-sessions`` SWE-agent sessions, ``--agent-turns`` turns each, as
-  the client's ``agentic-trace`` dataset (chat backend): each turn sends only its new tokens and the
-  client replays a session turn by turn, each prompt = previous prompt + the server's real reply +
-  the new message. Every turn's new tokens are shrunk by the same stride (chosen so the median last
-  prompt is about ``--agent-target-len`` tokens), so the extends-the-last structure is exact. The
-  servers get a chat template that joins message contents with spaces
-  (:data:`benchmarks.bench_client.WORD_CHAT_TEMPLATE`). Rates for this workload are sessions/s
-  (``--agent-rates``).
+Repetitions are interleaved: per workload every server starts once; each repetition runs every rate
+point on every configuration in a rotated order, flushing the cache before each run. Cells: median and
+spread (min-max, ``--spread iqr``) over repetitions. Ratios vs ``--baselines`` are paired per
+repetition, claimed only when their spread excludes 1 (else "n.s."); ``sign_test_p`` is the two-sided
+sign-test p-value of n ratios all on one side of 1 (0.25 for n=3: a weak test).
 
-Pools are sized per workload so the cache is under contention: the *unique-prefix footprint* is the
-number of distinct tokens of all sequences the cache would hold (prompts plus outputs; the size of
-their radix tree), the *reuse points* the distinct depths at which a later request reuses an
-earlier sequence (the states a perfect cache needs). ``--max-total-tokens`` =
-max(``--pool-fraction`` x footprint, 2 x the longest sequence); ``--max-mamba-cache-size`` =
-3 x ``--min-running`` working slots (SGLang caps running requests at pool/3) + ``--pool-fraction`` x
-reuse points. The JSON records both pools and the fractions they really are.
+Per run also: prompt, cached and prefilled tokens (per-request ``cached_tokens``), the sparse
+counters (``/server_info`` before/after; alpha carries over flushes), server and scheduler CPU
+seconds per completed request and prefill forwards; per workload the perfect-cache bound (each prompt's
+longest common prefix with an earlier sequence reused, at least its last token computed).
+``ttft_vs_prefill`` (per rate point, :func:`ttft_vs_prefill`): per repetition the ratio of mean TTFT,
+of prefilled tokens and ``gap`` = TTFT ratio / prefilled ratio - 1. Read it at the lowest rate
+(queueing makes TTFT non-linear in prefill work); TTFT has a fixed part per request, so the gap reads
+high when the prefilled ratio is well below 1; with noisy runs add ``NAME#2`` servers and read
+``pooled_gap``. ``benchmarks/ttft_paired.py`` pairs requests one by one.
 
-Repetitions are interleaved: per workload every server is started once; each repetition runs
-every rate point against every configuration in a rotated order (offset = repetition + rate index),
-flushing the cache before each run. Per cell the JSON/tables give the median and the spread
-(min-max by default, ``--spread iqr``) over repetitions; ratios vs ``--baselines`` are computed per
-repetition (paired: same arrivals, same background load window) and summarised the same way. A
-ratio is claimed only when its spread excludes 1, else it is printed with "n.s.". With n
-repetitions, all n paired ratios on one side of 1 has probability 2^(1-n) under "no difference"
-(two-sided sign test: 0.25 for n=3, 0.0625 for n=5), recorded as ``sign_test_p``: 3 repetitions is
-a weak test, read the ratios with that in mind.
+Token equality: every run's greedy outputs vs the ``nocache`` run of the same rate point and
+repetition (``nocache`` runs vs each other too). If any differ (CPU batching can change a greedy
+token), or with ``--equality always``, a sequential greedy pass through every server
+(:func:`sequential_outputs`) separates a cache bug from batching effects.
 
-Besides the client's numbers, per run: prompt, cached and prefilled tokens (per-request
-``cached_tokens`` from the server's ``meta_info``, ``--cache-report``), the sparse cache counters
-of the run (difference of ``/server_info`` statistics before/after; alpha carries over flushes, so
-repetitions of the sparse policies are not fully independent), and per workload the perfect-cache
-bound (fewest prefilled tokens any cache could reach: each prompt's longest common prefix with an
-earlier sequence reused, at least its last token computed).
+Outputs: ``benchmarks/results/serving_load.json`` (written after each workload with ``"partial":
+true``, then once more at the end) and ``serving_load.png`` (TTFT p50, TTFT p95 and req/s vs load
+point, one column per workload); ``--quick`` writes under ``benchmarks/results/quick/``. Server logs
+and datasets go to ``--work-dir``. A storm (every request at once): ``--rates inf --max-concurrency 0``.
 
-TTFT vs prefill work: per rate point, ``ttft_vs_prefill`` pairs ``sparse`` with ``lru``, ``native``
-and ``marconi``: per repetition the ratio of mean TTFT, the ratio of prefilled tokens and their
-``gap`` (TTFT ratio / prefilled ratio - 1). Read it at the lowest rate, where requests rarely
-queue; under load queueing makes TTFT non-linear in the prefill work. TTFT also has a fixed part per
-request (~30 ms on the tiny CPU model), so the gap reads high whenever the prefilled ratio is well
-below 1 (vs native); ``benchmarks/ttft_paired.py`` pairs requests one by one and reports the TTFT
-difference at equal work. Single runs drift by 10-15% here: add ``NAME#2`` servers (A/A) and read
-``pooled_gap``.
-
-A storm (every request at once, nothing capping the requests in flight):
-``--rates inf --max-concurrency 0`` (e.g. ``--workloads doc_qa --requests 500 --configs
-native,sparse``).
-
-The JSON is written after each workload with ``"partial": true`` (an interrupted run keeps its
-finished workloads) and once more at the end.
-
-Token equality: the greedy outputs of every run are compared, request by request, with the
-``nocache`` run of the same rate point and repetition; ``nocache`` runs are also compared with each
-other. If any differ (concurrent batching on a CPU can change low bits and, rarely, a greedy token),
-or with ``--equality always``, a sequential greedy pass replays the workload one request at a time
-through :meth:`SGLangServer.generate` on every server (agent turns fed their own greedy outputs,
-special ids dropped as the chat round trip drops them) and compares token ids with ``nocache``:
-that pass separates a cache bug from batching effects.
-
-Outputs: ``benchmarks/results/serving_load.json`` and ``serving_load.png`` (TTFT p50, TTFT p95 and
-request throughput vs request rate per policy, one column per workload); ``--quick`` writes to
-``benchmarks/results/quick/``. Server logs and datasets go to ``--work-dir``.
-
-Commands::
-
-    python -m benchmarks.serving_load --quick   # README main job: doc_qa, 16 requests at 4/s and
-                                                # capped at 4 in flight; native/sparse/lru/nocache;
-                                                # 3 repetitions; 4 min (quiet) to ~6 min (shared)
-    python -m benchmarks.serving_load           # the documented full run (~50-60 min on 2 cores):
-    # = --workloads doc_qa,system_prompts,rag,agent --configs native,sparse,lru,marconi,nocache
-    #   --reps 3 --requests 24 --rates 2,4,8 --agent-sessions 6 --agent-turns 8
-    #   --agent-rates 0.5,1,2 --max-concurrency 4
-
-Flags (all in ``--help``): ``--quick``, ``--workloads``, ``--configs``, ``--baselines``, ``--reps``,
-``--requests``, ``--target-len``, ``--output-len``, ``--agent-sessions``, ``--agent-turns``,
-``--agent-target-len``, ``--rates``, ``--agent-rates``, ``--max-concurrency``, ``--pool-fraction``,
-``--min-running``, ``--chunk``, ``--spread``, ``--equality``, ``--seed``, ``--size``,
-``--model-dir``, ``--work-dir``, ``--out``, ``--client-timeout``.
+    python -m benchmarks.serving_load --quick   # doc_qa, 16 requests at 4/s and capped at 4; ~5 min
+    python -m benchmarks.serving_load           # every workload, the default configs; ~1 h on 2 cores
 """
 
 from __future__ import annotations
@@ -144,7 +91,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python benchmarks/serving_load.py` as well as `-m`
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.stats import (  # noqa: E402 - after the sys.path set-up above
+from benchmarks._common import bar  # noqa: E402 - after the sys.path set-up above
+from benchmarks.stats import (  # noqa: E402
     Spread,
     claim,
     fmt_ratio,
@@ -158,27 +106,19 @@ from benchmarks.stats import (  # noqa: E402 - after the sys.path set-up above
 
 TRACES = ROOT / "traces" / "build"
 
-_SPARSE = ("--radix-cache-backend", "sparse")
+_SPARSE, _POLICY = ("--radix-cache-backend", "sparse"), {"SGLANG_SPARSE_POLICY": "sparse"}
 #: configuration name -> (extra server flags, extra environment, Mamba state strategy)
 CONFIGS: dict[str, tuple[tuple[str, ...], dict[str, str], str]] = {
     "native_eb": ((), {}, "extra_buffer"),
-    # SGLang's cache on its Python tree core (the core the sparse backend's components need)
     "native_eb_py": ((), {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}, "extra_buffer"),
     "native": ((), {}, "no_buffer"),
-    "sparse": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse"}, "extra_buffer"),
-    "sparse_nb": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse"}, "no_buffer"),
+    "sparse": (_SPARSE, _POLICY, "extra_buffer"),
+    "sparse_nb": (_SPARSE, _POLICY, "no_buffer"),
     "lru": (_SPARSE, {"SGLANG_SPARSE_POLICY": "lru"}, "extra_buffer"),
     "marconi": (_SPARSE, {"SGLANG_SPARSE_POLICY": "marconi"}, "extra_buffer"),
-    # the chunk-cut capture path (issue 10 compares it with the default in-forward capture)
-    "sparse_cut": (
-        _SPARSE,
-        {"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_CAPTURE": "cut"},
-        "extra_buffer",
-    ),
-    # the default policy at a fixed alpha (no tuning replay): separates the alpha's effect from
-    # the tuning's in the storm (issue 19); ``auto`` lands on 0 on the rag storm
-    "sparse_a0": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_ALPHA": "0"}, "extra_buffer"),
-    "sparse_a8": (_SPARSE, {"SGLANG_SPARSE_POLICY": "sparse", "SGLANG_SPARSE_ALPHA": "8"}, "extra_buffer"),
+    "sparse_cut": (_SPARSE, {**_POLICY, "SGLANG_SPARSE_CAPTURE": "cut"}, "extra_buffer"),
+    "sparse_a0": (_SPARSE, {**_POLICY, "SGLANG_SPARSE_ALPHA": "0"}, "extra_buffer"),
+    "sparse_a8": (_SPARSE, {**_POLICY, "SGLANG_SPARSE_ALPHA": "8"}, "extra_buffer"),
     "nocache": (("--disable-radix-cache",), {}, "no_buffer"),
 }
 #: configurations served by the sparse backend (their /server_info carries the sparse statistics)
@@ -186,9 +126,7 @@ SPARSE_BACKEND = tuple(c for c, (flags, _, _) in CONFIGS.items() if "--radix-cac
 
 
 def config_base(name: str) -> str:
-    """The configuration a server name runs: ``lru#2`` is a second, independent ``lru`` server
-    (same flags, its own process), so ``--configs sparse,lru,lru#2`` measures the A/A difference
-    between two server processes of one configuration next to the A/B one."""
+    """The configuration a server name runs: ``lru#2`` is a second, independent ``lru`` server."""
     return name.split("#", 1)[0]
 
 
@@ -202,7 +140,6 @@ def is_sparse_backend(name: str) -> bool:
     return config_base(name) in SPARSE_BACKEND
 
 
-WORKLOADS = ("doc_qa", "system_prompts", "rag", "agent")
 DATASET = {"doc_qa": "custom", "system_prompts": "custom", "rag": "custom", "agent": "agentic-trace"}
 
 #: client metric key -> (label, unit, higher is better)
@@ -217,8 +154,7 @@ METRICS: dict[str, tuple[str, str, bool]] = {
     "p95_itl_ms": ("ITL p95", "ms", False),
 }
 #: measured on the server per run: CPU seconds (user + system) per completed request of the whole
-#: server process tree and of its scheduler process (the CPU time a GPU waits on under the overlap
-#: schedule), and the prefill forwards it ran (``Prefill batch`` log lines)
+#: server process tree and of its scheduler process, and the prefill forwards it ran
 SERVER_METRICS: dict[str, tuple[str, str, bool]] = {
     "cpu_s_per_request": ("server CPU/req", "s", False),
     "scheduler_cpu_s_per_request": ("scheduler CPU/req", "s", False),
@@ -252,8 +188,8 @@ SPARSE_COUNTERS = (
     "tune_runs",
     "tune_wait_s",
 )
-#: sparse-cache gauges reported as read after each run (``tune_worker_cpu_s``: the replay worker's
-#: CPU since the server started; the alpha is tuned once per server, in its first run)
+#: sparse-cache gauges read after each run (``tune_worker_cpu_s``: the replay worker's CPU since the
+#: server started; the alpha is tuned once per server, in its first run)
 SPARSE_GAUGES = (
     "alpha",
     "states_held",
@@ -263,7 +199,9 @@ SPARSE_GAUGES = (
     "tune_worker_cpu_s",
 )
 
-#: resident memory of one tiny-model CPU server (4 processes), measured: 1.95 GB
+#: the flags of :func:`server_args` every configuration gets, as the JSON records them (then the chunk)
+COMMON_FLAGS = ("--sleep-on-idle", "--chat-template", "<word template>", "--chunked-prefill-size")
+#: resident memory of one tiny-model CPU server (4 processes; measured 1.95 GB), GB
 SERVER_RSS_GB = 2.1
 
 FULL_DEFAULTS: dict[str, Any] = dict(
@@ -443,14 +381,7 @@ def build_custom(
 
 
 def build_agent(
-    sessions: int,
-    turns: int,
-    *,
-    target_len: int,
-    output_len: int,
-    context: int,
-    vocab: int,
-    work: Path,
+    sessions: int, turns: int, *, target_len: int, output_len: int, context: int, vocab: int, work: Path
 ) -> Workload:
     """The first ``sessions`` sessions of ``traces/build/agent.jsonl``, ``turns`` turns each; every
     turn's new tokens shrunk by one stride (see the module docstring)."""
@@ -532,17 +463,22 @@ def make_workload(
 
 
 # ----------------------------------------------------------------------------- servers
+def tiny_model(work_dir: Path, size: str = "tiny", model_dir: Path | None = None) -> tuple[Path, Any, Path]:
+    """``(checkpoint dir, size spec, chat template)``: the random-weight tiny Qwen3-Next of ``size``
+    (in ``model_dir``, default ``<work_dir>/model_<size>``) and the word chat template, written into
+    ``work_dir``."""
+    from benchmarks.bench_client import write_word_chat_template
+    from sglang_sparse.models.tiny import SIZES, make_tiny_model
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_model(model_dir or work_dir / f"model_{size}", arch="qwen3_next", size=size, seed=0)
+    return model, SIZES[size], write_word_chat_template(work_dir / "word_chat_template.jinja")
+
+
 def server_args(config: str, chunk: int, chat_template: Path) -> list[str]:
     """Extra server flags of ``config`` on top of the CPU defaults (tokenizer on, sleep on idle)."""
-    flags = CONFIGS[config_base(config)][0]
-    return [
-        "--sleep-on-idle",
-        "--chat-template",
-        str(chat_template),
-        "--chunked-prefill-size",
-        str(chunk),
-        *flags,
-    ]
+    flags, template, size = CONFIGS[config_base(config)][0], str(chat_template), str(chunk)
+    return ["--sleep-on-idle", "--chat-template", template, "--chunked-prefill-size", size, *flags]
 
 
 def make_server(
@@ -618,11 +554,16 @@ def start_servers(
     """Start one server per configuration (:func:`make_server`, :func:`start_all`)."""
     servers = {
         c: make_server(
-            model_dir, c, pools,
-            chunk=chunk, context=context, chat_template=chat_template, log_path=log_dir / f"{tag}_{c}.log",
+            model_dir,
+            c,
+            pools,
+            chunk=chunk,
+            context=context,
+            chat_template=chat_template,
+            log_path=log_dir / f"{tag}_{c}.log",
         )
         for c in configs
-    }  # fmt: skip
+    }
     start_all(servers)
     return servers
 
@@ -680,6 +621,38 @@ def rate_points(rates: Sequence[float], max_concurrency: int | None) -> list[Rat
     return pts
 
 
+def run_client(
+    worker: Any,
+    url: str,
+    wl: Workload,
+    rate: float,
+    max_concurrency: int | None,
+    *,
+    model_dir: Path,
+    seed: int,
+    out_file: Path,
+    timeout: float,
+    allow_errors: bool = False,
+) -> dict[str, Any]:
+    """One run of the client (:class:`benchmarks.bench_client.ClientWorker`) replaying ``wl``
+    against ``url`` with per-request details and the cache report: its checked result row."""
+    return worker.run(
+        out_file,
+        timeout=timeout,
+        allow_errors=allow_errors,
+        base_url=url,
+        dataset_name=wl.dataset,
+        dataset_path=wl.path,
+        tokenizer=model_dir,
+        num_prompts=wl.rows,
+        request_rate=rate,
+        max_concurrency=max_concurrency,
+        output_len=wl.output_len,
+        seed=seed,
+        extra=["--output-details", "--cache-report", "--warmup-requests", "0"],
+    )
+
+
 def run_one(
     worker: Any,
     srv: Any,
@@ -697,19 +670,16 @@ def run_one(
     before = sparse_snapshot(srv) if is_sparse_backend(config) else {}
     cpu0, log0 = server_cpu(srv), log_size(srv)
     t0 = time.perf_counter()
-    row = worker.run(
-        out_file,
-        timeout=timeout,
-        base_url=srv.url,
-        dataset_name=wl.dataset,
-        dataset_path=wl.path,
-        tokenizer=model_dir,
-        num_prompts=wl.rows,
-        request_rate=rp.rate,
-        max_concurrency=rp.max_concurrency,
-        output_len=wl.output_len,
+    row = run_client(
+        worker,
+        srv.url,
+        wl,
+        rp.rate,
+        rp.max_concurrency,
+        model_dir=model_dir,
         seed=seed,
-        extra=["--output-details", "--cache-report", "--warmup-requests", "0"],
+        out_file=out_file,
+        timeout=timeout,
     )
     wall = time.perf_counter() - t0
     cpu1, forwards = server_cpu(srv), prefill_forwards(srv, log0)
@@ -849,16 +819,10 @@ def summarize_workload(
                 for key in (*ALL_METRICS, "prefilled_tokens"):
                     per_rep = paired_ratios(series(c, key), series(b, key))
                     s = spread(per_rep, kind)
-                    ratios[b][c][key] = (
-                        {
-                            **s.as_dict(),
-                            "per_rep": per_rep,
-                            "claim": claim(s),
-                            "sign_test_p": sign_test_p(s.n),
-                        }
-                        if s
-                        else None
-                    )
+                    ratios[b][c][key] = None
+                    if s:
+                        ratios[b][c][key] = {**s.as_dict(), "per_rep": per_rep, "claim": claim(s)}
+                        ratios[b][c][key]["sign_test_p"] = sign_test_p(s.n)
         out[rp.label] = {
             "point": rp.as_dict(),
             "configs": cells,
@@ -884,32 +848,25 @@ def ttft_vs_prefill(
 ) -> dict[str, Any]:
     """Does a config's time to first token follow the tokens it prefills? Per pair of
     :data:`TTFT_PAIRS` present, plus every second instance with its first (``lru#2/lru``: the A/A
-    floor of the gap between two server processes of one configuration): paired per-repetition
-    ratios of mean TTFT and of prefilled tokens, and ``gap`` = TTFT ratio / prefilled ratio - 1 per
-    repetition (0: TTFT shrinks exactly as the prefill does; issue 10 asks |gap| <= 5% for sparse vs
-    lru). ``pooled_gap``: the same from the repetitions' totals (sum of mean TTFTs over sum,
-    prefilled likewise), the steadier estimate when single runs are noisy. Only meaningful where
-    queueing is light (the lowest rate or one request in flight); under heavy load queueing makes
-    TTFT non-linear in prefill work."""
+    floor): paired per-repetition ratios of mean TTFT and of prefilled tokens, and ``gap`` = TTFT
+    ratio / prefilled ratio - 1 per repetition (0: TTFT shrinks exactly as the prefill does).
+    ``pooled_gap``: the same from the repetitions' totals, steadier when single runs are noisy.
+    Meaningful only where queueing is light (the lowest rate or one request in flight)."""
     out: dict[str, Any] = {}
     pairs = [*TTFT_PAIRS, *aa_pairs(configs)]
     for a, b in pairs:
         if a not in configs or b not in configs:
             continue
-        t = paired_ratios(series(a, "mean_ttft_ms"), series(b, "mean_ttft_ms"))
-        pf = paired_ratios(series(a, "prefilled_tokens"), series(b, "prefilled_tokens"))
+        ta, tb = series(a, "mean_ttft_ms"), series(b, "mean_ttft_ms")
+        pa, pb = series(a, "prefilled_tokens"), series(b, "prefilled_tokens")
+        t, pf = paired_ratios(ta, tb), paired_ratios(pa, pb)
         gaps = [x / y - 1 for x, y in zip(t, pf, strict=False) if y]
         st, sp, sg = spread(t, kind), spread(pf, kind), spread(gaps, kind)
         out[f"{a}/{b}"] = {
             "ttft_ratio": st.as_dict() if st else None,
             "prefilled_ratio": sp.as_dict() if sp else None,
             "gap": {**sg.as_dict(), "per_rep": gaps} if sg else None,
-            "pooled_gap": pooled_gap(
-                series(a, "mean_ttft_ms"),
-                series(b, "mean_ttft_ms"),
-                series(a, "prefilled_tokens"),
-                series(b, "prefilled_tokens"),
-            ),
+            "pooled_gap": pooled_gap(ta, tb, pa, pb),
         }
     return out
 
@@ -954,6 +911,20 @@ def _ratio(ws: dict[str, Any], b: str, c: str, key: str) -> Spread | None:
     return Spread(d["median"], d["lo"], d["hi"], d["n"], d["kind"]) if d else None
 
 
+#: the columns of the printed tables (then prefilled tokens)
+TABLE_KEYS = (
+    "request_throughput",
+    "median_ttft_ms",
+    "p95_ttft_ms",
+    "p99_ttft_ms",
+    "median_itl_ms",
+    "p95_itl_ms",
+    "cpu_s_per_request",
+    "scheduler_cpu_s_per_request",
+    "prefill_forwards",
+)
+
+
 def print_workload(name: str, doc: dict[str, Any], configs: Sequence[str], baselines: Sequence[str]) -> None:
     """Tables of one workload: cells (median [spread]) and ratios vs each baseline."""
     from benchmarks._common import table
@@ -967,31 +938,20 @@ def print_workload(name: str, doc: dict[str, Any], configs: Sequence[str], basel
         f"+ {pools['state_working_slots']} working); perfect cache prefills "
         f"{acc['perfect_prefilled']} of {acc['prompt_tokens']} prompt tokens"
     )
-    keys = (
-        "request_throughput",
-        "median_ttft_ms",
-        "p95_ttft_ms",
-        "p99_ttft_ms",
-        "median_itl_ms",
-        "p95_itl_ms",
-        "cpu_s_per_request",
-        "scheduler_cpu_s_per_request",
-        "prefill_forwards",
-    )
+    keys = (*TABLE_KEYS, "prefilled_tokens")
+    header = ["config", *(ALL_METRICS[k][0] for k in TABLE_KEYS), "prefilled tok"]
     for label, ws in doc["summary"].items():
-        rows = [[c, *(fmt_spread(_cell(ws, c, k)) for k in (*keys, "prefilled_tokens"))] for c in configs]
+        rows = [[c, *(fmt_spread(_cell(ws, c, k)) for k in keys)] for c in configs]
         print(f"\n-- {name} @ {label} (median [min-max] over repetitions)")
-        print(table(rows, ["config", *(ALL_METRICS[k][0] for k in keys), "prefilled tok"]))
+        print(table(rows, header))
         for b in baselines:
             if b not in ws["ratios"]:
                 continue
             others = [c for c in configs if c in ws["ratios"][b]]
-            rrows = [
-                [c, *(fmt_ratio(_ratio(ws, b, c, k)) for k in (*keys, "prefilled_tokens"))] for c in others
-            ]
+            rrows = [[c, *(fmt_ratio(_ratio(ws, b, c, k)) for k in keys)] for c in others]
             if rrows:
                 print(f"   ratios vs {b} (per-repetition, n.s. = spread includes 1)")
-                print(table(rrows, ["config", *(ALL_METRICS[k][0] for k in keys), "prefilled tok"]))
+                print(table(rrows, header))
         for pair, v in ws.get("ttft_vs_prefill", {}).items():
             if v["gap"] is None:
                 continue
@@ -1018,12 +978,11 @@ def print_workload(name: str, doc: dict[str, Any], configs: Sequence[str], basel
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """TTFT p50, TTFT p95 and request throughput vs load point, one column per workload."""
-    from benchmarks._common import pyplot
+    from benchmarks._common import pyplot, save
 
     plt = pyplot()
     if plt is None:
         return
-
     wls = list(doc["workloads"])
     rows = (
         ("median_ttft_ms", "TTFT p50 (ms)"),
@@ -1049,112 +1008,68 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             ax.set_xticks(range(len(labels)), labels)
             ax.set_xlim(-0.5, len(labels) - 0.5)
             ax.set_ylabel(ylabel)
-            ys_all = [
-                summ[lab]["configs"][c][key]["hi"]
-                for lab in labels
-                for c in doc["configs"]
-                if summ[lab]["configs"][c].get(key)
-            ]
-            lo_all = [
-                summ[lab]["configs"][c][key]["lo"]
-                for lab in labels
-                for c in doc["configs"]
-                if summ[lab]["configs"][c].get(key)
-            ]
-            if key != "request_throughput" and lo_all and min(lo_all) > 0 and max(ys_all) / min(lo_all) > 20:
+            ds = [summ[lab]["configs"][c].get(key) for lab in labels for c in doc["configs"]]
+            his, los = [d["hi"] for d in ds if d], [d["lo"] for d in ds if d]
+            if key != "request_throughput" and los and min(los) > 0 and max(his) / min(los) > 20:
                 ax.set_yscale("log")
             if i == 0:
                 ax.set_title(f"{w} ({doc['workloads'][w]['dataset']})")
             if i == len(rows) - 1:
                 ax.set_xlabel("load (Poisson rate; capN = N in flight)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(
-        f"serving under load, median and min-max over {doc['reps']} interleaved repetitions", fontsize=10
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    reps = doc["reps"]
+    fig.suptitle(f"serving under load, median and min-max over {reps} interleaved repetitions", fontsize=10)
+    save(fig, path)
 
 
 # ----------------------------------------------------------------------------- driver
 def run_load(
-    *,
-    workloads: Sequence[str],
-    configs: Sequence[str],
-    baselines: Sequence[str] = ("native_eb", "native", "lru", "marconi"),
-    reps: int = 3,
-    requests: int = 24,
-    target_len: int = 768,
-    output_len: int = 16,
-    agent_sessions: int = 6,
-    agent_turns: int = 8,
-    agent_target_len: int = 1024,
-    rates: Sequence[float] = (2.0, 4.0, 8.0),
-    agent_rates: Sequence[float] = (0.5, 1.0, 2.0),
-    max_concurrency: int | None = 4,
-    pool_fraction: float = 0.4,
-    min_running: int = 4,
-    chunk: int = 512,
-    spread_kind: str = "minmax",
-    equality: str = "auto",
-    seed: int = 0,
-    size: str = "tiny",
-    model_dir: Path | None = None,
-    work_dir: Path = Path("/tmp/sglang_sparse_serving_load"),
-    client_timeout: float = 1800.0,
-    progress: bool = True,
+    args: argparse.Namespace,
     log: Callable[[str], None] = print,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark and return the JSON document (see the module docstring).
-    ``checkpoint(doc)`` is called after each workload with the document so far (``partial``
-    true), so an interrupted run keeps its finished workloads."""
-    from benchmarks.bench_client import ClientWorker, write_word_chat_template
-    from sglang_sparse.models.tiny import SIZES, make_tiny_model
+    """Run the benchmark for the parsed command line and return the JSON document (see the module
+    docstring). ``checkpoint(doc)`` is called after each workload but the last with the document so
+    far (``partial`` true), so an interrupted run keeps its finished workloads."""
+    from benchmarks.bench_client import ClientWorker
 
+    workloads = [w for w in args.workloads.split(",") if w]
+    configs = [c for c in args.configs.split(",") if c]
+    baselines = [b for b in args.baselines.split(",") if b]
     unknown = [c for c in configs if config_base(c) not in CONFIGS]
     unknown += [w for w in workloads if w not in DATASET]
     if unknown:
         raise SystemExit(f"error: unknown configs/workloads {unknown}")
-    if equality not in ("auto", "always", "never"):
-        raise SystemExit(f"error: --equality must be auto, always or never, got {equality!r}")
+    reps, seed, chunk, work_dir = args.reps, args.seed, args.chunk, args.work_dir
     t_start = time.time()
-    work_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = make_tiny_model(model_dir or work_dir / f"model_{size}", arch="qwen3_next", size=size, seed=0)
-    spec = SIZES[size]
+    model_dir, spec, chat_template = tiny_model(work_dir, args.size, args.model_dir)
     context = spec.max_position_embeddings
-    chat_template = write_word_chat_template(work_dir / "word_chat_template.jinja")
-
-    common = dict(output_len=output_len, context=context, vocab=spec.vocab_size, work=work_dir, seed=seed)
-    agent = dict(agent_sessions=agent_sessions, agent_turns=agent_turns, agent_target_len=agent_target_len)
-    wls = {w: make_workload(w, requests, target_len=target_len, **agent, **common) for w in workloads}
-    points = {w: rate_points(agent_rates if w == "agent" else rates, max_concurrency) for w in workloads}
-    total = sum(reps * len(points[w]) * len(configs) for w in workloads)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc="serving_load", file=sys.stderr, dynamic_ncols=True)
+    wls = {
+        w: make_workload(
+            w, args.requests, target_len=args.target_len, agent_sessions=args.agent_sessions,
+            agent_turns=args.agent_turns, agent_target_len=args.agent_target_len, output_len=args.output_len,
+            context=context, vocab=spec.vocab_size, work=work_dir, seed=seed,
+        )
+        for w in workloads
+    }  # fmt: skip
+    max_concurrency = args.max_concurrency or None
+    rates = {w: _floats(args.agent_rates if w == "agent" else args.rates) for w in workloads}
+    points = {w: rate_points(rates[w], max_concurrency) for w in workloads}
+    progress = bar(sum(reps * len(points[w]) * len(configs) for w in workloads), "serving_load")
     doc: dict[str, Any] = {
         "benchmark": "serving_load",
         "client": "sglang.benchmark.serving (SGLang's bench_serving), persistent process",
-        "model": {"arch": "qwen3_next", "size": size, "path": str(model_dir), "context": context},
+        "model": {"arch": "qwen3_next", "size": args.size, "path": str(model_dir), "context": context},
         "configs": {
             c: {"server_flags": list(CONFIGS[config_base(c)][0]), "env": CONFIGS[config_base(c)][1]}
             for c in configs
         },
-        "server_common_flags": [
-            "--sleep-on-idle",
-            "--chat-template",
-            "<word template>",
-            "--chunked-prefill-size",
-            str(chunk),
-        ],
+        "server_common_flags": [*COMMON_FLAGS, str(chunk)],
         "baselines": [b for b in baselines if b in configs],
         "reps": reps,
         "seed": seed,
-        "output_len": output_len,
-        "spread": spread_kind,
+        "output_len": args.output_len,
+        "spread": args.spread,
         "rotation": "configs rotated left by (repetition + rate index) per rate point",
         "workloads": {},
     }
@@ -1163,7 +1078,7 @@ def run_load(
             worker.start()  # the client's import overlaps the first server start
             for w in workloads:
                 wl = wls[w]
-                pools = size_pools(wl.accounting, pool_fraction, min_running)
+                pools = size_pools(wl.accounting, args.pool_fraction, args.min_running)
                 t0 = time.time()
                 log(
                     f"[serving_load] {w}: starting {len(configs)} servers "
@@ -1188,8 +1103,7 @@ def run_load(
                     for rep in range(reps):
                         for ri, rp in enumerate(points[w]):
                             for pos, c in enumerate(rotated(list(configs), rep + ri)):
-                                if bar is not None:
-                                    bar.set_postfix_str(f"{w} {rp.label} {c} rep{rep}")
+                                progress.set_postfix_str(f"{w} {rp.label} {c} rep{rep}")
                                 rec = run_one(
                                     worker,
                                     servers[c],
@@ -1199,20 +1113,19 @@ def run_load(
                                     model_dir=model_dir,
                                     seed=seed,
                                     out_file=work_dir / "client_out.jsonl",
-                                    timeout=client_timeout,
+                                    timeout=args.client_timeout,
                                 )
                                 rec.update(rate=rp.label, config=c, rep=rep, position=pos)
                                 runs.append(rec)
                                 if not servers[c].alive():
                                     raise RuntimeError(f"{c} server died:\n{servers[c].log_tail()}")
-                                if bar is not None:
-                                    bar.update(1)
+                                progress.update(1)
                     eq = equality_summary(runs, configs, points[w], reps)
                     seq_eq = None
                     if "nocache" in configs and (
-                        equality == "always"
+                        args.equality == "always"
                         or (
-                            equality == "auto"
+                            args.equality == "auto"
                             and (not eq["all_equal"] or any(r["order_mismatches"] for r in runs))
                         )
                     ):
@@ -1224,7 +1137,7 @@ def run_load(
                 finally:
                     for s in servers.values():
                         s.stop()
-                wdoc = {
+                doc["workloads"][w] = {
                     "dataset": wl.dataset,
                     "dataset_path": str(wl.path),
                     "rows": wl.rows,
@@ -1239,18 +1152,16 @@ def run_load(
                     "points": [rp.as_dict() for rp in points[w]],
                     "server_startup_s": startup,
                     "meta": wl.meta,
-                    "summary": summarize_workload(runs, configs, baselines, points[w], reps, spread_kind),
+                    "summary": summarize_workload(runs, configs, baselines, points[w], reps, args.spread),
                     "equality": eq,
                     "sequential_equality": seq_eq,
                     "runs": [_compact(r) for r in runs],
                     "wall_s": time.time() - t0,
                 }
-                doc["workloads"][w] = wdoc
                 if checkpoint is not None and w != workloads[-1]:
                     checkpoint({**doc, "partial": True, "wall_s": time.time() - t_start})
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     doc["wall_s"] = time.time() - t_start
     doc["partial"] = False
     return doc
@@ -1288,60 +1199,34 @@ def add_workload_arguments(
     def fq(key: str) -> str:
         return f"full {full[key]}, quick {quick[key]}"
 
-    ap.add_argument("--workloads", help=f"comma list of {full['workloads']} (full: all)")
-    ap.add_argument("--reps", type=int, help=reps_help or f"interleaved repetitions ({fq('reps')})")
-    ap.add_argument("--requests", type=int, help=f"requests per single-turn workload ({fq('requests')})")
-    ap.add_argument("--agent-sessions", type=int, help=f"agent sessions ({fq('agent_sessions')})")
-    ap.add_argument("--agent-turns", type=int, help=f"turns per agent session ({fq('agent_turns')})")
-    ap.add_argument(
-        "--target-len", type=int, default=768, help="median shrunk prompt, tokens (default %(default)s)"
-    )
-    ap.add_argument(
-        "--output-len",
-        type=int,
-        default=output_len,
-        help="tokens generated per request/turn (default %(default)s)",
-    )
-    ap.add_argument(
-        "--agent-target-len",
-        type=int,
-        default=1024,
-        help="median last-turn agent prompt, tokens (default %(default)s)",
-    )
-    ap.add_argument(
+    add = ap.add_argument
+    add("--workloads", help=f"comma list of {full['workloads']} (full: all)")
+    add("--reps", type=int, help=reps_help or f"interleaved repetitions ({fq('reps')})")
+    add("--requests", type=int, help=f"requests per single-turn workload ({fq('requests')})")
+    add("--agent-sessions", type=int, help=f"agent sessions ({fq('agent_sessions')})")
+    add("--agent-turns", type=int, help=f"turns per agent session ({fq('agent_turns')})")
+    add("--target-len", type=int, default=768, help="median shrunk prompt, tokens (default %(default)s)")
+    dflt = " (default %(default)s)"
+    add("--output-len", type=int, default=output_len, help="tokens generated per request/turn" + dflt)
+    add("--agent-target-len", type=int, default=1024, help="median last-turn agent prompt, tokens" + dflt)
+    add(
         "--pool-fraction",
         type=float,
         default=0.4,
         help="pools (per server) hold this fraction of the unique-prefix footprint (default %(default)s)",
     )
-    ap.add_argument(
-        "--min-running",
-        type=int,
-        default=4,
-        help="state working slots for N running requests (default %(default)s)",
-    )
-    ap.add_argument(
-        "--chunk", type=int, default=512, help="--chunked-prefill-size, tokens (default %(default)s)"
-    )
-    ap.add_argument("--seed", type=int, default=0, help=seed_help)
-    ap.add_argument("--size", default="tiny", help="tiny-model size preset (default %(default)s)")
-    ap.add_argument("--model-dir", type=Path, help="model checkpoint dir (default <work-dir>/model_<size>)")
-    ap.add_argument(
-        "--work-dir",
-        type=Path,
-        default=Path(f"/tmp/sglang_sparse_{name}"),
-        help=work_help + " (default %(default)s)",
-    )
-    ap.add_argument("--out", type=Path, help=f"JSON path (default benchmarks/results[/quick]/{name}.json)")
-    ap.add_argument("--client-timeout", type=float, default=1800.0, help=timeout_help)
+    add("--min-running", type=int, default=4, help="state working slots for N running requests" + dflt)
+    add("--chunk", type=int, default=512, help="--chunked-prefill-size, tokens (default %(default)s)")
+    add("--seed", type=int, default=0, help=seed_help)
+    add("--size", default="tiny", help="tiny-model size preset (default %(default)s)")
+    add("--model-dir", type=Path, help="model checkpoint dir (default <work-dir>/model_<size>)")
+    add("--work-dir", type=Path, default=Path(f"/tmp/sglang_sparse_{name}"), help=work_help + dflt)
+    add("--out", type=Path, help=f"JSON path (default benchmarks/results[/quick]/{name}.json)")
+    add("--client-timeout", type=float, default=1800.0, help=timeout_help)
 
 
 def parse_run_args(
-    ap: argparse.ArgumentParser,
-    argv: list[str] | None,
-    name: str,
-    full: dict[str, Any],
-    quick: dict[str, Any],
+    ap: argparse.ArgumentParser, argv: list[str] | None, name: str, full: dict[str, Any], quick: dict
 ) -> tuple[argparse.Namespace, Path, str]:
     """``argv`` parsed, the flags left unset taken from ``quick`` (``--quick``) or ``full``; the
     JSON path (``--out`` or ``benchmarks/results[/quick]/<name>.json``) and the command line."""
@@ -1362,31 +1247,30 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Full run: python -m benchmarks.serving_load  |  quick: --quick (see the module docstring)",
     )
-    ap.add_argument(
+    add = ap.add_argument
+    add(
         "--quick",
         action="store_true",
         help="README main-job size (4-6 min): doc_qa; native,sparse,lru,nocache; 16 requests; "
         "rate 4/s + cap 4; 3 repetitions; JSON/PNG under benchmarks/results/quick/",
     )
-    ap.add_argument(
+    add(
         "--configs",
         help=f"comma list of {','.join(CONFIGS)} (full: all but sparse_cut); NAME#2 starts a second "
         "server of NAME (A/A control, e.g. lru,lru#2)",
     )
-    ap.add_argument(
+    add(
         "--baselines", default="native_eb,native,lru,marconi", help="ratio denominators (default %(default)s)"
     )
-    ap.add_argument("--rates", help="Poisson request rates, req/s, comma list (full 2,4,8; quick 4)")
-    ap.add_argument(
-        "--agent-rates", help="Poisson session rates for agent, sessions/s (full 0.5,1,2; quick 1)"
-    )
-    ap.add_argument(
+    add("--rates", help="Poisson request rates, req/s, comma list (full 2,4,8; quick 4)")
+    add("--agent-rates", help="Poisson session rates for agent, sessions/s (full 0.5,1,2; quick 1)")
+    add(
         "--max-concurrency",
         type=int,
         help="add a load point with all requests at once capped at N in flight (full and quick 4; 0 = none)",
     )
-    ap.add_argument("--spread", choices=("minmax", "iqr"), default="minmax", help="spread over repetitions")
-    ap.add_argument(
+    add("--spread", choices=("minmax", "iqr"), default="minmax", help="spread over repetitions")
+    add(
         "--equality",
         choices=("auto", "always", "never"),
         default="auto",
@@ -1410,8 +1294,6 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks._common import write_json
 
     args, out, command = parse_run_args(build_parser(), argv, "serving_load", FULL_DEFAULTS, QUICK_DEFAULTS)
-    configs = [c for c in args.configs.split(",") if c]
-    baselines = [b for b in args.baselines.split(",") if b]
     head = {
         "command": command,
         "quick": args.quick,
@@ -1422,37 +1304,12 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out.stem, {**head, **partial}, out.parent)
         print(f"[serving_load] partial results ({', '.join(partial['workloads'])}) -> {out}", flush=True)
 
-    doc = run_load(
-        workloads=[w for w in args.workloads.split(",") if w],
-        configs=configs,
-        baselines=baselines,
-        reps=args.reps,
-        requests=args.requests,
-        target_len=args.target_len,
-        output_len=args.output_len,
-        agent_sessions=args.agent_sessions,
-        agent_turns=args.agent_turns,
-        agent_target_len=args.agent_target_len,
-        rates=_floats(args.rates),
-        agent_rates=_floats(args.agent_rates),
-        max_concurrency=args.max_concurrency or None,
-        pool_fraction=args.pool_fraction,
-        min_running=args.min_running,
-        chunk=args.chunk,
-        spread_kind=args.spread,
-        equality=args.equality,
-        seed=args.seed,
-        size=args.size,
-        model_dir=args.model_dir,
-        work_dir=args.work_dir,
-        client_timeout=args.client_timeout,
-        checkpoint=checkpoint,
-    )
-    doc = {**head, **doc}
+    doc = {**head, **run_load(args, checkpoint=checkpoint)}
     path = write_json(out.stem, doc, out.parent)
     plot(doc, out.with_suffix(".png"))
+    configs = [c for c in args.configs.split(",") if c]
     for name, wdoc in doc["workloads"].items():
-        print_workload(name, wdoc, configs, [b for b in baselines if b in configs])
+        print_workload(name, wdoc, configs, doc["baselines"])
     print(f"\nwrote {path} and {out.with_suffix('.png')} in {doc['wall_s']:.0f} s")
     return 0
 

@@ -1,45 +1,33 @@
-"""Data-parallel replicas behind SGLang's router: what routing does to the cache (issue 23).
+"""Data-parallel replicas behind SGLang's router: what routing does to the cache.
 
-Topology: ``--workers N`` real SGLang CPU servers (workers) per configuration, every worker of a
-configuration running the same cache, behind SGLang's router (PyPI ``sglang-router``, ``python -m
-sglang_router.launch_router``; :class:`sglang_sparse.testing.router.Router`). The router is started
-afresh for every run, so the ``cache_aware`` policy's own approximate prefix tree starts empty like
-the workers' flushed caches. Worker configurations are those of :mod:`benchmarks.serving_load`
-(``sparse`` on extra_buffer, ``native_eb``: SGLang's GPU default, ``native``: no_buffer, ``nocache``
-for token equality, ...); routing policies ``cache_aware`` (the router's default: a request goes to
-the worker whose tree shares most of its prefix unless the load is imbalanced) and
-``round_robin``.
+Topology: ``--workers N`` real SGLang CPU servers per configuration (the configurations of
+:mod:`benchmarks.serving_load`), behind SGLang's router (PyPI ``sglang-router``,
+:class:`sglang_sparse.testing.router.Router`), started afresh for every run so its approximate
+prefix tree starts empty like the workers' flushed caches. Routing policies: ``cache_aware`` (the
+router's default: the worker whose tree shares most of the prefix, unless the load is imbalanced)
+and ``round_robin``. Worker ``i`` is bound to core ``i`` (``SGLANG_CPU_OMP_THREADS_BIND``).
 
-Load: SGLang's own client (``sglang.benchmark.serving`` via :mod:`benchmarks.bench_client`)
-replays each workload *through the router*: ``doc_qa``, ``system_prompts`` (custom datasets) and
-``agent`` (agentic-trace: whole sessions turn by turn over ``/v1/chat/completions``), shrunk to the
-CPU size exactly as in :mod:`benchmarks.serving_load`, all requests at once capped at
-``--max-concurrency`` in flight. Pools per worker are sized like ``serving_load`` (a fraction of the
-workload's unique-prefix footprint): each replica is a full server.
+Load: SGLang's client (via :mod:`benchmarks.bench_client`) replays each workload *through the
+router*, shrunk and with pools sized per worker as in :mod:`benchmarks.serving_load`: ``doc_qa``,
+``system_prompts`` (custom datasets) and ``agent`` (whole sessions over ``/v1/chat/completions``),
+all requests at once capped at ``--max-concurrency`` in flight.
 
-Per run the JSON records the client's figures (req/s, TTFT mean/p50/p95, completed, errors) and per
-worker the requests, prompt and cached tokens it served (deltas of SGLang's own Prometheus counters
-``sglang:num_requests_total`` / ``prompt_tokens_total`` / ``cached_tokens_total``, workers run with
-``--enable-metrics``), hence request balance (busiest worker's share) and per-worker hit rates. The
-run's prompt / cached / prefilled tokens are the sums of those counters (:func:`token_totals`;
-the client's per-request ``cached_tokens`` are kept as ``client_*``: through the router they read
-0 on the chat endpoint). Repetitions are interleaved (every (configuration, policy) cell once
-per repetition, order rotated by the repetition); cells report the median and min-max spread,
-ratios are paired per repetition. Token equality: each run's generated texts against the
-``nocache`` run of the same repetition (``nocache`` runs with one policy only, ``round_robin``); if
-any differ, a sequential greedy pass through the router decides (batching can change a greedy
-token on the CPU without any cache).
+Per run: the client's req/s and TTFT mean/p50/p95 (ms), completed and errors; per worker the
+requests, prompt and cached tokens served (deltas of SGLang's Prometheus counters, workers run with
+``--enable-metrics``), hence ``balance`` (busiest worker's requests / the mean) and the run's
+prefilled tokens and hit rate (:func:`token_totals`; the client's per-request ``cached_tokens``, kept
+as ``client_*``, read 0 through the router on the chat endpoint). Repetitions are interleaved (cells
+rotated by the repetition); cells give the median and min-max spread, ratios are paired per
+repetition. Token equality: every run's texts vs the ``nocache`` run of the same repetition
+(``nocache`` runs with ``round_robin`` only); if any differ, a sequential greedy pass through the
+router decides.
 
-``--fault`` adds the failure runs: ``sparse`` workers behind each routing policy, the first workload; when
-a third of its requests have been served, worker 1 is killed (SIGKILL of its process group: a
-crash, not a drain) and restarted on the same port at once. The client's run must complete: every
-request either completes or fails with an error the client sees (counted, messages kept), none
-lost or hung (the router bounds each request, ``--request-timeout-secs``). After the run the
-restarted worker must rejoin: the router reports it healthy and routes requests to it when the
-same router then serves the next requests of the trace (new prefixes go to the emptier tree).
-
-``--dp-size N`` inside one server (SGLang's own data-parallel controller) is the second topology;
-on this machine it needs ``SGLANG_CPU_OMP_THREADS_BIND`` (one core per rank, set by the script).
+``--fault``: ``sparse`` workers behind each policy on the first workload; when a third of its requests
+are served, worker 1 is killed (SIGKILL of its process group) and restarted on the same port. Every
+request must complete or fail visibly to the client (``lost`` counts the rest), and the restarted
+worker must rejoin: reported healthy by the router and served requests when the same router then
+replays the next requests of the trace. ``--dp-size N``: one server per configuration with SGLang's
+own data-parallel controller (``--dp-size N``, one core per rank).
 
 Outputs: ``benchmarks/results/serving_router.json`` and ``.png`` (prefilled tokens per cell).
 
@@ -63,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import bar, pyplot, save, table, write_json  # noqa: E402
 from benchmarks.serving_load import (  # noqa: E402 - after the sys.path fix for script use
     CONFIGS,
     Workload,
@@ -73,21 +62,18 @@ from benchmarks.serving_load import (  # noqa: E402 - after the sys.path fix for
     make_workload,
     parse_run_args,
     rotated,
+    run_client,
     sequential_mismatches,
+    sequential_outputs,
     size_pools,
     start_all,
     text_mismatches,
+    tiny_model,
 )
-from benchmarks.stats import (  # noqa: E402
-    Spread,
-    fmt_ratio,
-    fmt_spread,
-    ratio_spread,
-    spread,
-)
+from benchmarks.stats import Spread, fmt_ratio, fmt_spread, ratio_spread, spread  # noqa: E402
+from sglang_sparse.testing.router import POLICIES, Router, worker_counters  # noqa: E402
 
 WORKLOADS = ("doc_qa", "system_prompts", "agent")
-POLICIES = ("cache_aware", "round_robin")
 
 FULL_DEFAULTS: dict[str, Any] = dict(
     workloads="doc_qa,system_prompts,agent",
@@ -174,8 +160,6 @@ def flush_all(workers: Sequence[Any]) -> None:
 
 def counters(workers: Sequence[Any]) -> list[dict[str, float] | None]:
     """Per worker :func:`~sglang_sparse.testing.router.worker_counters` (None when down)."""
-    from sglang_sparse.testing.router import worker_counters
-
     out: list[dict[str, float] | None] = []
     for w in workers:
         try:
@@ -234,20 +218,17 @@ def run_routed(
     if side:
         side.start()
     t0 = time.perf_counter()
-    row = client.run(
-        out_file,
+    row = run_client(
+        client,
+        router_url,
+        wl,
+        float("inf"),
+        max_concurrency,
+        model_dir=model_dir,
+        seed=seed,
+        out_file=out_file,
         timeout=timeout,
         allow_errors=allow_errors,
-        base_url=router_url,
-        dataset_name=wl.dataset,
-        dataset_path=wl.path,
-        tokenizer=model_dir,
-        num_prompts=wl.rows,
-        request_rate=float("inf"),
-        max_concurrency=max_concurrency,
-        output_len=wl.output_len,
-        seed=seed,
-        extra=["--output-details", "--cache-report", "--warmup-requests", "0"],
     )
     wall = time.perf_counter() - t0
     if side:
@@ -344,8 +325,6 @@ def fault_run(
     """Kill worker 1 when a third of ``wl`` is served, restart it at once, let the run finish,
     then check that it rejoins: the same router serves ``rejoin_wl`` (later requests of the trace,
     so new prefixes the cache-aware router places on the emptier tree, the restarted worker's)."""
-    from sglang_sparse.testing.router import Router
-
     victim = workers[1]
     state: dict[str, Any] = {}
 
@@ -431,21 +410,19 @@ def summarize(runs: list[dict[str, Any]], cells: Sequence[tuple[str, str]], reps
     def sd(s: Spread | None) -> dict[str, Any] | None:
         return s.as_dict() if s else None
 
+    keys = (
+        "prefilled_tokens",
+        "hit_rate",
+        "balance",
+        "request_throughput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p95_ttft_ms",
+        "errors",
+    )
     out: dict[str, Any] = {"cells": {}, "ratios": {}}
     for c in cells:
-        out["cells"][cell_name(*c)] = {
-            k: sd(spread(series(c, k)))
-            for k in (
-                "prefilled_tokens",
-                "hit_rate",
-                "balance",
-                "request_throughput",
-                "mean_ttft_ms",
-                "median_ttft_ms",
-                "p95_ttft_ms",
-                "errors",
-            )
-        }
+        out["cells"][cell_name(*c)] = {k: sd(spread(series(c, k))) for k in keys}
     for a, b in COMPARISONS:
         if a in cells and b in cells:
             r = ratio_spread(series(a, "prefilled_tokens"), series(b, "prefilled_tokens"))
@@ -476,23 +453,15 @@ def equality(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_workload(name: str, wdoc: dict[str, Any]) -> None:
-    from benchmarks._common import table
-
     print(
         f"\n== {name}: {wdoc['requests']} requests, perfect cache "
         f"{wdoc['perfect_prefilled']} of {wdoc['prompt_tokens']} prompt tokens"
     )
-    rows = []
-    for cell, v in wdoc["summary"]["cells"].items():
-        rows.append(
-            [
-                cell,
-                *(
-                    fmt_spread(Spread(**v[k]) if v[k] else None)
-                    for k in ("prefilled_tokens", "hit_rate", "balance", "mean_ttft_ms", "request_throughput")
-                ),
-            ]
-        )
+    keys = ("prefilled_tokens", "hit_rate", "balance", "mean_ttft_ms", "request_throughput")
+    rows = [
+        [cell, *(fmt_spread(Spread(**v[k]) if v[k] else None) for k in keys)]
+        for cell, v in wdoc["summary"]["cells"].items()
+    ]
     print(table(rows, ["workers+routing", "prefilled tok", "hit rate", "balance", "TTFT mean ms", "req/s"]))
     for k, v in wdoc["summary"]["ratios"].items():
         s = Spread(**v["prefilled_tokens"]) if v["prefilled_tokens"] else None
@@ -503,12 +472,9 @@ def print_workload(name: str, wdoc: dict[str, Any]) -> None:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Prefilled tokens per (workers, routing) cell and workload: median bars, min-max whiskers."""
-    from benchmarks._common import pyplot
-
     plt = pyplot()
     if plt is None:
         return
-
     names = list(doc["workloads"])
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
@@ -528,16 +494,12 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{name} ({doc['workers']} workers)")
         ax.set_ylabel("prefilled tokens (lower is better)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ----------------------------------------------------------------------------- main
 def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
-    from benchmarks.bench_client import ClientWorker, write_word_chat_template
-    from sglang_sparse.models.tiny import SIZES, make_tiny_model
-    from sglang_sparse.testing.router import Router
+    from benchmarks.bench_client import ClientWorker
 
     workloads = [w for w in args.workloads.split(",") if w]
     configs = [c for c in args.configs.split(",") if c]
@@ -549,13 +511,8 @@ def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = prin
     if args.workers < 2:
         raise SystemExit("error: --workers must be >= 2 (one worker needs no router)")
     work = args.work_dir
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = make_tiny_model(
-        args.model_dir or work / f"model_{args.size}", arch="qwen3_next", size=args.size, seed=0
-    )
-    spec = SIZES[args.size]
+    model_dir, spec, template = tiny_model(work, args.size, args.model_dir)
     context = spec.max_position_embeddings
-    template = write_word_chat_template(work / "word_chat_template.jinja")
     # the no-cache reference only gives tokens: one routing policy is enough
     ref_policy = "round_robin" if "round_robin" in policies else policies[0]
     cells = [(c, p) for c in configs for p in policies if config_base(c) != "nocache" or p == ref_policy]
@@ -567,12 +524,9 @@ def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = prin
         "workers": args.workers,
         "model": {"arch": "qwen3_next", "size": args.size, "context": context},
         "configs": {
-            c: {
-                "server_flags": list(CONFIGS[config_base(c)][0]),
-                "env": CONFIGS[config_base(c)][1],
-                "strategy": CONFIGS[config_base(c)][2],
-            }
+            c: {"server_flags": list(flags), "env": env, "strategy": strategy}
             for c in configs
+            for flags, env, strategy in [CONFIGS[config_base(c)]]
         },
         "policies": policies,
         "reps": args.reps,
@@ -580,14 +534,7 @@ def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = prin
         "rotation": "cells rotated left by the repetition index",
         "workloads": {},
     }
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=len(workloads) * args.reps * len(cells),
-        desc="serving_router",
-        file=sys.stderr,
-        dynamic_ncols=True,
-    )
+    progress = bar(len(workloads) * args.reps * len(cells), "serving_router")
     with ClientWorker() as client:
         client.start()
         for w in workloads:
@@ -613,11 +560,10 @@ def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = prin
             try:
                 for rep in range(args.reps):
                     for pos, (c, p) in enumerate(rotated(cells, rep)):
-                        bar.set_postfix_str(f"{w} {c}+{p} rep{rep}")
+                        progress.set_postfix_str(f"{w} {c}+{p} rep{rep}")
                         flush_all(workers[c])
-                        with Router(
-                            [s.url for s in workers[c]], p, log_path=work / f"router_{w}.log"
-                        ) as router:
+                        urls = [s.url for s in workers[c]]
+                        with Router(urls, p, log_path=work / f"router_{w}.log") as router:
                             rec = run_routed(
                                 client,
                                 router.url,
@@ -634,7 +580,7 @@ def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = prin
                         dead = [s.url for s in workers[c] if not s.alive()]
                         if dead:
                             raise RuntimeError(f"{c} worker(s) died: {dead}")
-                        bar.update(1)
+                        progress.update(1)
                 eq = equality(runs)
                 seq = None
                 if not eq["all_equal"] and "nocache" in configs:
@@ -692,7 +638,7 @@ def run_router_bench(args: argparse.Namespace, log: Callable[[str], None] = prin
                 "runs": [{k: v for k, v in r.items() if k != "texts"} for r in runs],
             }
             print_workload(w, doc["workloads"][w])
-    bar.close()
+    progress.close()
     if args.dp_size:
         doc["dp_size"] = dp_size_topology(
             model_dir, args, context, template, workloads[0], spec.vocab_size, log
@@ -706,8 +652,6 @@ def sequential_equality(
 ) -> dict[str, Any]:
     """Greedy outputs one request at a time through a round-robin router, per configuration,
     against ``nocache``'s."""
-    from benchmarks.serving_load import sequential_outputs
-    from sglang_sparse.testing.router import Router
 
     def outputs(c: str) -> list[list[int]]:
         with Router([s.url for s in workers[c]], "round_robin", log_path=work / "router_seq.log") as r:
@@ -787,33 +731,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.serving_router", description=__doc__.split("\n\n")[0]
     )
-    ap.add_argument(
+    add = ap.add_argument
+    add(
         "--quick",
         action="store_true",
         help="smoke size: doc_qa, 16 requests, 1 repetition, no fault run; JSON under "
         "benchmarks/results/quick/",
     )
-    ap.add_argument(
+    add(
         "--configs",
         help=f"worker configurations, comma list of {','.join(CONFIGS)} (full: nocache,native_eb,sparse)",
     )
-    ap.add_argument(
-        "--policies", help=f"routing policies, comma list of {','.join(POLICIES)} (default: both)"
-    )
-    ap.add_argument("--workers", type=int, default=2, help="workers per configuration (default %(default)s)")
-    ap.add_argument(
+    add("--policies", help=f"routing policies, comma list of {','.join(POLICIES)} (default: both)")
+    add("--workers", type=int, default=2, help="workers per configuration (default %(default)s)")
+    add(
         "--max-concurrency",
         type=int,
         default=4,
         help="requests in flight through the router (default %(default)s)",
     )
-    ap.add_argument(
+    add(
         "--fault",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="kill and restart a sparse worker mid-run (full: on)",
     )
-    ap.add_argument(
+    add(
         "--dp-size",
         type=int,
         default=0,
@@ -824,8 +767,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks._common import write_json
-
     args, out, command = parse_run_args(build_parser(), argv, "serving_router", FULL_DEFAULTS, QUICK_DEFAULTS)
     doc = {"command": command, **run_router_bench(args)}
     path = write_json(out.stem, doc, out.parent)

@@ -31,12 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import REPO, pyplot, results_dir, table  # noqa: E402
+from benchmarks._common import REPO, bar, pyplot, results_dir, save, table  # noqa: E402
 from benchmarks.sim_host import HOST_POLICIES, host_sweep  # noqa: E402
 from sglang_sparse.policy import POLICY_NAMES, PUBLISHED_NAMES  # noqa: E402
 from sglang_sparse.policy.host_tier import (  # noqa: E402
@@ -60,6 +58,15 @@ FULL_FRACS = (0.05, 0.1, 0.2, 0.3, 0.5)
 QUICK_FRACS = (0.1, 0.3)
 DEFAULT_TRACES = ("doc_qa", "system_prompts", "agent", "rag")
 DEFAULT_POLICIES = tuple(POLICY_NAMES) + PUBLISHED_NAMES + OFFLINE_POLICIES
+#: the headroom bound's figures recorded per size
+BOUND_KEYS = (
+    "hit_tokens",
+    "flops_saved",
+    "token_hit_rate",
+    "flops_saved_frac",
+    "cap_tokens",
+    "per_request_hit_rate",
+)
 #: reference policies with knowledge of the whole trace: never a loss of ``sparse``
 REFERENCES = ("oracle", *OFFLINE_POLICIES)
 
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     jobs = [(t, f, p) for t, _ in sources for f in fracs for p in args.policies]
-    bar = tqdm(total=len(jobs), desc="sim_compare")
+    progress = bar(len(jobs), "sim_compare")
     for tname, path in sources:
         reqs, oracle, footprint = _load(tname, path, args, cm)
         profile = reuse_profile(reqs)
@@ -171,18 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"recurrent state ({cm.state_bytes} bytes); pass larger --fracs"
                 )
             hb = headroom_bound(reqs, size, cm, profile)
-            bounds.append(
-                {
-                    "frac": frac,
-                    "cache_bytes": size,
-                    "hit_tokens": hb.hit_tokens,
-                    "flops_saved": hb.flops_saved,
-                    "token_hit_rate": hb.token_hit_rate,
-                    "flops_saved_frac": hb.flops_saved_frac,
-                    "cap_tokens": hb.cap_tokens,
-                    "per_request_hit_rate": hb.per_request_hit_rate,
-                }
-            )
+            bounds.append({"frac": frac, "cache_bytes": size, **{k: getattr(hb, k) for k in BOUND_KEYS}})
             for pol in args.policies:
                 t0 = time.perf_counter()
                 extra = {"future": future} if pol in OFFLINE_POLICIES else {}
@@ -197,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                     headroom_share_flops=_share(s["flops_saved"], hb.flops_saved),
                 )
                 rows.append(s)
-                bar.update(1)
+                progress.update(1)
             _offline_shares([r for r in rows if r["frac"] == frac])
         _equal_memory(
             rows,
@@ -212,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             "headroom": bounds,
         }
         _plot(tname, rows, bounds, args.policies, out)
-    bar.close()
+    progress.close()
     results["acceptance"] = _acceptance(results)
     (out / "sim_compare.json").write_text(json.dumps(results, indent=1))
     _table(results, args.policies)
@@ -413,9 +409,7 @@ def _plot(tname: str, rows: list[dict], bounds: list[dict], policies: list[str],
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{tname}")
-    fig.tight_layout()
-    fig.savefig(out / f"sim_compare_{tname}.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / f"sim_compare_{tname}.png")
 
 
 def _table(results: dict, policies: list[str]) -> None:

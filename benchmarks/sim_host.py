@@ -20,9 +20,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tqdm import tqdm
-
-from benchmarks._common import pyplot, table
+from benchmarks._common import bar, pyplot, save, table
 from sglang_sparse.policy import POLICY_NAMES
 from sglang_sparse.policy.host_tier import HostTierConfig
 from sglang_sparse.sim import simulate
@@ -54,22 +52,18 @@ def host_sweep(
         )
     if any(r <= 0 for r in ratios):
         raise SystemExit(f"error: --host-ratio must be > 0, got {list(ratios)}")
-    extra = {}
-    if load_bandwidth is not None:
-        extra["load_bandwidth"] = load_bandwidth
-    if device_flops is not None:
-        extra["device_flops"] = device_flops
+    given = {"load_bandwidth": load_bandwidth, "device_flops": device_flops}
+    extra = {k: v for k, v in given.items() if v is not None}
+    unit = HostTierConfig(1, write_policy=write_policy, **extra)
     results: dict = {
         "fracs": list(fracs),
         "host_ratios": list(ratios),
         "write_policy": write_policy,
-        "load_bandwidth": HostTierConfig(1, write_policy=write_policy, **extra).load_bandwidth,
-        "device_flops": HostTierConfig(1, write_policy=write_policy, **extra).device_flops,
+        "load_bandwidth": unit.load_bandwidth,
+        "device_flops": unit.device_flops,
         "traces": {},
     }
-    bar = tqdm(
-        total=len(traces) * len(fracs) * (len(ratios) * len(policies) + 1), desc="sim_compare --host-ratio"
-    )
+    progress = bar(len(traces) * len(fracs) * (len(ratios) * len(policies) + 1), "sim_compare --host-ratio")
     for tname, load in traces:
         reqs, oracle, footprint = load()
         rows = []
@@ -77,16 +71,16 @@ def host_sweep(
             size = int(footprint * frac)
             one = simulate(reqs, "sparse", size, cm, oracle=oracle, keep_records=False).summary()
             rows.append({**_row(one), "frac": frac, "host_ratio": 0.0, "policy": "sparse (no host)"})
-            bar.update(1)
+            progress.update(1)
             for ratio in ratios:
                 host = HostTierConfig(int(size * ratio), write_policy=write_policy, **extra)
                 for pol in policies:
                     r = simulate(reqs, pol, size, cm, oracle=oracle, keep_records=False, host=host)
                     rows.append({**_row(r.summary()), "frac": frac, "host_ratio": ratio})
-                    bar.update(1)
+                    progress.update(1)
         results["traces"][tname] = {"footprint_bytes": footprint, "requests": len(reqs), "rows": rows}
         _plot(tname, rows, policies, ratios, out)
-    bar.close()
+    progress.close()
     results["acceptance"] = acceptance(results)
     (out / "sim_compare_host.json").write_text(json.dumps(results, indent=1))
     print_tables(results, policies)
@@ -211,6 +205,4 @@ def _plot(tname: str, rows: list[dict], policies: Sequence[str], ratios: Sequenc
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{tname}: device + host tier")
-    fig.tight_layout()
-    fig.savefig(out / f"sim_compare_host_{tname}.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / f"sim_compare_host_{tname}.png")

@@ -1,13 +1,9 @@
-"""Does time to first token follow the prefilled tokens? Request-by-request paired TTFT (issue 10).
+"""Does time to first token follow the prefilled tokens? Request-by-request paired TTFT.
 
-``serving_load.py`` measures under load with SGLang's own client, one configuration after another.
-On this 2-core machine a whole run can be 10-15% faster or slower than the next one (measured with
-two servers of one configuration, the A/A rows of ``serving_aa_doc_qa.json``), which swamps a 5%
-question. This driver removes that drift by pairing at the request level: every server is up at
-once, and each request of the workload is sent to every server in turn (rotated order per
-request), one request in flight, before the next request goes out. Both caches see the same
-sequence, so each server's cached tokens are its own policy's, and the TTFTs of one request are
-taken seconds apart.
+Whole serving runs drift against each other (``serving_load.py``'s A/A rows); this driver pairs at
+the request level instead: every server is up at once, and each request of the workload is sent to
+every server in turn (rotated order per request), one request in flight, before the next one goes
+out. Every cache sees the same sequence, and the TTFTs of one request are taken seconds apart.
 
 Per request and server: TTFT (ms, from sending ``/generate`` with ``stream`` to the first streamed
 chunk, measured by this process) and the prompt and cached tokens the server reports at the end
@@ -16,8 +12,8 @@ A/A control of :func:`benchmarks.serving_load.config_base`):
 
 * ``ttft_ratio`` = sum of TTFT over all requests and repetitions, ``a`` over ``b``;
 * ``prefilled_ratio`` = the same for prefilled tokens (prompt - cached);
-* ``gap`` = ttft_ratio / prefilled_ratio - 1 (0: TTFT shrinks exactly as the prefill does; issue 10
-  asks |gap| <= 5% for sparse vs lru), with a 95% interval from a seeded bootstrap over requests;
+* ``gap`` = ttft_ratio / prefilled_ratio - 1 (0: TTFT shrinks exactly as the prefill does), with a
+  95% interval from a seeded bootstrap over requests;
 * ``equal_work_ms``: mean TTFT difference over the requests where both prefilled the same tokens
   (the same work: any difference is overhead or noise), with its bootstrap interval.
 
@@ -42,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import bar  # noqa: E402
 from benchmarks.serving_load import (  # noqa: E402
     CONFIGS,
     aa_pairs,
@@ -51,6 +48,7 @@ from benchmarks.serving_load import (  # noqa: E402
     rotated,
     size_pools,
     start_servers,
+    tiny_model,
 )
 from benchmarks.stats import bootstrap_ci, pooled_gap  # noqa: E402
 
@@ -105,23 +103,19 @@ def pair_summary(rows: Sequence[dict[str, Any]], a: str, b: str, *, seed: int = 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.bench_client import write_word_chat_template
-    from sglang_sparse.models.tiny import SIZES, make_tiny_model
-
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if config_base(c) not in CONFIGS]
     if bad or len(set(configs)) != len(configs):
         raise SystemExit(f"error: unknown or repeated configs {bad or configs}; valid: {', '.join(CONFIGS)}")
     work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = make_tiny_model(work / "model_tiny", arch="qwen3_next", size="tiny", seed=0)
-    spec = SIZES["tiny"]
+    model_dir, spec, template = tiny_model(work)
+    context = spec.max_position_embeddings
     wl = make_workload(
         args.workload,
         args.requests,
         target_len=args.target_len,
         output_len=args.output_len,
-        context=spec.max_position_embeddings,
+        context=context,
         vocab=spec.vocab_size,
         seed=0,
         work=work,
@@ -132,15 +126,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         configs,
         pools,
         chunk=args.chunk,
-        context=spec.max_position_embeddings,
-        chat_template=write_word_chat_template(work / "word_chat_template.jinja"),
+        context=context,
+        chat_template=template,
         log_dir=work,
         tag=f"paired_{args.workload}",
     )
     rows: list[dict[str, Any]] = []
-    from tqdm import tqdm
-
-    bar = tqdm(total=args.reps * len(wl.prompts) * len(configs), desc="ttft_paired", file=sys.stderr)
+    progress = bar(args.reps * len(wl.prompts) * len(configs), "ttft_paired")
     try:
         for s in servers.values():  # a fresh server's first request is slow: outside the measurement
             s.generate(wl.prompts[0], 2)
@@ -151,10 +143,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row: dict[str, Any] = {"rep": rep, "request": i}
                 for c in rotated(configs, i + rep):
                     row[c] = stream_ttft(servers[c], prompt, wl.output_len)
-                    bar.update(1)
+                    progress.update(1)
                 rows.append(row)
     finally:
-        bar.close()
+        progress.close()
         for s in servers.values():
             s.stop()
     pairs = [p.split("/") for p in args.pairs.split(",") if p.strip()]
