@@ -140,12 +140,16 @@ class Sparse:
 
 
 def load_tree_package(path: Path) -> ModuleType:
-    """Import a directory holding a copy of ``sglang_sparse/tree`` as the package ``_baseline_tree``."""
+    """Import a directory holding a copy of ``sglang_sparse/tree`` (or a checkout holding one) as the
+    package ``_baseline_tree``."""
+    if (path / "sglang_sparse" / "tree" / "__init__.py").is_file():
+        path = path / "sglang_sparse" / "tree"
+    if not (path / "__init__.py").is_file():
+        raise SystemExit(f"--baseline-tree {path}: no __init__.py (give a copy of sglang_sparse/tree)")
     spec = importlib.util.spec_from_file_location(
         "_baseline_tree", path / "__init__.py", submodule_search_locations=[str(path)]
     )
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--baseline-tree {path}: no __init__.py")
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules["_baseline_tree"] = mod
     spec.loader.exec_module(mod)
