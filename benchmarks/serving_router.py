@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 import time
@@ -349,8 +348,7 @@ def fault_run(
             time.sleep(0.1)
         state["killed_after_requests"] = done
         state["kill_t"] = time.monotonic()
-        os.killpg(victim.proc.pid, signal.SIGKILL)  # a crash: no drain, in-flight requests die
-        victim.stop()
+        victim.stop()  # SIGKILL of its serving processes at once: a crash, in-flight requests die
         victim.log_path = victim.log_path.with_name(victim.log_path.stem + "_restarted.log")
         t1 = time.monotonic()
         victim.start(timeout=900)

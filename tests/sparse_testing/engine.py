@@ -11,14 +11,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from sglang_sparse.testing.server import CPU_ENV, GenerateResult
+import psutil
+
+from sglang_sparse.testing.server import CPU_ENV, GenerateResult, _mapped_shm
 
 
 @contextlib.contextmanager
 def cpu_engine(model_path: str | Path, **kwargs: Any) -> Iterator[Any]:
     """An offline ``sglang.Engine`` on the CPU with the same settings as :class:`SGLangServer`.
 
-    ``kwargs`` override/extend the engine's ServerArgs fields. Yields the engine; shuts it down.
+    ``kwargs`` override/extend the engine's ServerArgs fields. Yields the engine; shuts it down and
+    unlinks the ``/dev/shm`` files its scheduler processes mapped (SGLang's shutdown leaves its
+    ``sglang_loads_*.shm`` segment behind).
     """
     for k, v in CPU_ENV.items():
         os.environ.setdefault(k, v)
@@ -37,11 +41,17 @@ def cpu_engine(model_path: str | Path, **kwargs: Any) -> Iterator[Any]:
         log_level="error",
     )
     defaults.update(kwargs)
+    others = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. a server fixture's
     engine = sglang.Engine(model_path=str(model_path), **defaults)
+    children = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in others]
     try:
         yield engine
     finally:
+        shm = _mapped_shm(children)
         engine.shutdown()
+        for path in shm:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def engine_generate(engine: Any, input_ids: Sequence[int], max_new_tokens: int = 8) -> GenerateResult:
