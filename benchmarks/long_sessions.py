@@ -20,6 +20,7 @@ here). Writes ``benchmarks/results/long_sessions.json``.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +30,10 @@ from sglang_sparse.models.tiny import make_tiny_model
 from sglang_sparse.testing.server import SGLangServer
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns
 
-from ._common import bar, results_dir, write_json
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import bar, results_dir, write_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -71,7 +72,10 @@ from sglang_sparse.sim.models import cost_model
 from sglang_sparse.tree import Node, as_tokens
 from sglang_sparse.tree.lcp import lcp_numpy
 
-from ._common import REPO, progress, pyplot, results_dir, save, table, write_json
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import REPO, progress, pyplot, results_dir, save, table, write_json  # noqa: E402
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)

@@ -19,12 +19,16 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from scipy.stats import linregress
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_TOKENS = (256, 512, 1024, 2048, 3072, 4096)
