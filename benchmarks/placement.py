@@ -16,11 +16,16 @@ Methods, each with a budget of ``M`` checkpoints per entry on the 64-token grid 
   * ``tree`` - what the product's radix tree does (:class:`TreePlanner`): a ``sparse``
     :class:`~sglang_sparse.policy.HybridCache` (``plan_budget=M``) holding exactly the live entries
     serves every request through the product's own calls (``match``, ``observe``, ``capture_plan``,
-    ``insert``). The product has no per-entry budget, so ``M`` is applied in its eviction order
-    (checkpoint drops only, the contents stay fixed): ``--tree-budget pooled`` (default) keeps at most
-    ``M`` distinct states per live entry (a shared prefix's state counting once), ``entry`` at most
-    ``M`` checkpoints on every entry's root-to-leaf path. The JSON rows give both counts
-    (``states_per_entry``, ``path_checkpoints_per_entry``).
+    ``insert``), with no seeding from past requests. The product has no per-entry budget
+    (``plan_budget`` bounds an edge's plan; the states held are bounded by the byte budget), so ``M``
+    is applied as its memory pressure would, after each request, in its eviction order
+    (``Evictor.scores()``, alpha 0, the bootstrap value; checkpoint drops only, the contents stay
+    fixed): ``--tree-budget pooled`` (default) keeps at most ``M`` distinct states per live entry (a
+    shared prefix's state counting once), ``entry`` at most ``M`` checkpoints on every entry's
+    root-to-leaf path. The JSON rows give both counts (``states_per_entry``,
+    ``path_checkpoints_per_entry``). An entry leaving the window loses the part of its path no live
+    entry shares (``drop_leaf`` / ``truncate``, then the evictor's merge of a checkpoint-free
+    single-child node).
   * ``block`` / ``balanced`` / ``log`` / ``sqrt`` - the budgeted baselines (placement.BASELINES).
   * ``oracle`` - the DP fed each entry's true lifetime overlap law (an upper bound for per-entry
     grid placement; ``tree`` can exceed it: it also checkpoints off-grid edge ends).

@@ -119,7 +119,7 @@ def simulate(
     if not spec.needs_law_provider:
         # Only the oracle policy sees the whole trace's law, in its replays too: a caller passing
         # one oracle for every policy (benchmarks/sim_compare.py) must not hand it to the others'
-        # alpha tuning (docs/architecture.md, "Simulator notes").
+        # alpha tuning (docs/architecture.md, "Simulator and tree notes").
         oracle = None
     prepared = prepare_requests(requests)
     n = len(prepared)

@@ -40,7 +40,8 @@ def test_sparse_stats_on_metrics(tmp_path: Path) -> None:
         srv.generate(PREFIX + [7, 8], max_new_tokens=4)  # the update runs as the scheduler plans a prefill
         text = requests.get(f"{srv.url}/metrics", timeout=30).text
         pgid = srv.proc.pid
-        group, shm = _group(pgid), _mapped_shm(list(_group(pgid)))
+        group = _group(pgid)
+        shm = _mapped_shm(list(group))
     # the stop (SIGKILL) leaves no process of the server and none of the /dev/shm files it mapped
     assert len(group) >= 3 and shm, (group, shm)  # launcher, scheduler, detokenizer; SGLang's segment
     assert _group(pgid) == {} and not any(Path(f).exists() for f in shm), (_group(pgid), shm)
