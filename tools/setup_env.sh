@@ -17,7 +17,10 @@
 #     We apply one documented, idempotent patch to that file (see patch_torchvision below): register
 #     the meta kernels only when the compiled ops exist. Nothing in the project uses torchvision ops.
 #   * triton + flash-linear-attention: the project depends on FLA's naive references; triton is also
-#     imported unconditionally by sglang (srt/utils/common.py).
+#     imported unconditionally by sglang (srt/utils/common.py). triton 3.6.0, not 3.9: SGLang's own
+#     Triton kernels (its FLA fork uses tl.make_block_ptr, removed in 3.9) run under
+#     TRITON_INTERPRET=1 in the kernel tests only with triton < 3.9, and 3.6 is what SGLang's GPU
+#     stack (and the project's lent H200) runs.
 #   * our CPU `sgl_kernel` shim (kernels/sgl_kernel_shim): a tiny separate distribution that
 #     provides a top-level `sgl_kernel` module implemented in pure torch (ops in kernels/sglang_sparse_kernels/sgl_kernel_cpu)
 #     plus two SGLang plugins (entry points `sglang.srt.plugins`): `sglang_sparse_cpu` routes the two
@@ -93,7 +96,7 @@ step "sglang 0.5.23 (--no-deps) and torchvision (--no-deps)"
 step "sglang minimal run-time set"
 # Pinned: the exact set the CPU serving tests pass with (sglang 0.5.23 pins the first block itself).
 "${PIP[@]}" \
-    "triton==3.9.0" \
+    "triton==3.6.0" \
     "transformers==5.19.0" "tokenizers==0.23.2" "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1" \
     "compressed-tensors==0.18.0" "openai==2.8.0" "xgrammar==0.2.7" "soundfile==0.13.1" \
     "orjson==3.13.0" "psutil==7.2.2" "pybase64==1.5.1" "requests==2.34.2" "pillow==13.0.0" \

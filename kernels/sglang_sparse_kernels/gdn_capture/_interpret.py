@@ -5,7 +5,7 @@ Nothing here edits site-packages; every change is a monkey-patch applied (idempo
 the environment and **before** any FLA kernel is launched.  The patches only matter when the interpreter
 is active; on a real GPU do not call this function.
 
-Obstacles and their fixes (verified with triton 3.9.0 / flash-linear-attention 0.6.0):
+Obstacles and their fixes (verified with triton 3.6.0 and 3.9.0 / flash-linear-attention 0.6.0):
 
 1. *Autotuner benchmarking.*  ``triton.runtime.autotuner.Autotuner.run`` benchmarks every candidate
    config via ``driver.active.get_benchmarker()``; with no GPU there is no active driver and it raises
@@ -32,7 +32,9 @@ emulation, also in FLA's own ``chunk_gated_delta_rule``; use float32 (or float16
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
+import sys
 
 _APPLIED = False
 
@@ -79,6 +81,13 @@ def enable_interpreter_workarounds() -> None:
 
     autotuner.Autotuner.prune_configs = _prune_to_first  # type: ignore[method-assign]
 
+    # triton < 3.9 benchmarks even a single pruned config (only ``len(self.configs) == 1`` skips
+    # it): every candidate "takes" zero time, so the first one wins without a benchmarker.
+    def _no_bench(self, *args, config, **kwargs):  # type: ignore[no-untyped-def]
+        return [0.0, 0.0, 0.0]
+
+    autotuner.Autotuner._bench = _no_bench  # type: ignore[method-assign]
+
     # 2. Turn ``for x in range(...)`` induction variables into interpreter tensors.
     base = interpreter.FunctionRewriter.ast_transformer.__class__
 
@@ -96,5 +105,40 @@ def enable_interpreter_workarounds() -> None:
             return self.generic_visit(node)
 
     interpreter.FunctionRewriter.ast_transformer = _LoopVarTensorizer()
+
+    # 3. triton < 3.9 holds interpreter scalars as 1-element arrays and converts them with
+    # ``int(array)``, which NumPy >= 2.4 refuses for arrays that are not 0-dimensional
+    # (``range(18, min(32, T - i_t * BT))`` in FLA's ``solve_tril``): convert through ``.item()``.
+    original_patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if original_patch is not None:
+
+        def _patch_lang_tensor(tensor, scope):  # type: ignore[no-untyped-def]
+            original_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = _patch_lang_tensor
+
+    # 4. Module-level aliases of builtins (``exp = tl.exp`` in SGLang's FLA fork, ``fla/ops/op.py``
+    # style) are not patched by the interpreter, which patches only the ``tl`` modules' attributes:
+    # calling one raises "_semantic argument must be provided". Patch the jit function's own module
+    # too (same scope, restored with it).
+    original_patch_lang = interpreter._patch_lang
+
+    def _patch_lang(fn):  # type: ignore[no-untyped-def]
+        scope = original_patch_lang(fn)
+        module = sys.modules.get(getattr(fn, "__module__", None) or "")
+        if module is not None:
+            interpreter._patch_builtin(module, interpreter.interpreter_builder, scope)
+        return scope
+
+    interpreter._patch_lang = _patch_lang
+
+    # 5. SGLang's FLA fork enters ``torch.<device>.device(index)`` around every op
+    # (``sglang/kernels/ops/attention/fla/utils.py`` ``custom_device_ctx``); ``torch.cpu`` has no
+    # ``device``: a null context there.
+    import torch
+
+    if not hasattr(torch.cpu, "device"):
+        torch.cpu.device = lambda index=None: contextlib.nullcontext()  # type: ignore[attr-defined]
     interpreter.InterpretedFunction.rewritten_fn.clear()
     _APPLIED = True
