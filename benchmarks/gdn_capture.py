@@ -13,12 +13,14 @@ sparse boundaries).  Prints a table and writes ``benchmarks/results/gdn_capture.
 
 Capture-overhead table (key ``capture_overhead``): the CPU prefill op the server runs,
 :func:`sglang_sparse_kernels.sgl_kernel_cpu.chunk_gated_delta_rule` (fp32, ``--threads`` threads, packed
-``cu_seqlens`` + slot pool, as in ``sglang_adapter/capture.py``), with a list capture of ``n`` states
-per sequence (``--overhead-captures``, default 1 / 4 / 16; positions ``floor(i T / n / 64) * 64`` for
-``i = 1..n-1``, plus ``T``) against the same call without capture, for ``T`` in ``--overhead-ts``;
+``cu_seqlens`` + slot pool; the CPU stand-in of SGLang's Triton kernel), followed by the capture of
+``n`` states per sequence as the server runs it (``sglang_adapter/track_capture.py``: SGLang's track
+copies from ``h`` and the final state, tails advanced by the recurrent kernel;
+``--overhead-captures``, default 1 / 4 / 16; positions ``floor(i T / n / 64) * 64``, 17 tokens off the
+grid for even ``i``, plus ``T``) against the same call without capture, for ``T`` in ``--overhead-ts``;
 variants interleaved (order rotated every round), ``--overhead-repeats * max(1, 8192 // T)`` rounds.
 Per cell: min and median seconds, overhead % from the mins, the medians and the median of per-round
-paired ratios; ``copy_pct``: the capture's own work (state clones + pool stores, timed alone) as % of
+paired ratios; ``copy_pct``: the capture's own work (copies and tails, timed alone) as % of
 the plain call; ``aa_noise_*``: the same overheads of a second, identical plain variant (the run's
 noise floor); ``*_cpu_*``: the min-based figures from the thread's CPU time (``time.thread_time``),
 which other processes inflate far less than wall time. Acceptance: 4 captures per 16k-token sequence
@@ -48,9 +50,13 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from sglang_sparse_kernels.gdn_capture import chunk_gdn_fwd_capture, naive_recurrent_gdn  # noqa: E402
-from sglang_sparse_kernels.sgl_kernel_cpu import chunk_gated_delta_rule  # noqa: E402
+from sglang_sparse_kernels.sgl_kernel_cpu import (  # noqa: E402
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_update,
+)
 
 from benchmarks._common import table  # noqa: E402
+from sglang_sparse.sglang_adapter.track_lists import Layout, track_additions  # noqa: E402
 
 CHUNK = 64
 OVERHEAD_TARGET = {"T": 16384, "captures": 4, "max_overhead_pct": 2.0}
@@ -91,13 +97,12 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def capture_positions(T: int, n: int) -> list[int]:
-    """``n`` distinct capture positions on the 64-token grid, the last one ``T`` (the final state).
-
-    ``floor(i * T / n / 64) * 64`` for ``i = 1..n`` (``T`` for ``i = n``); needs ``T >= 64 * n``.
-    """
+    """``n`` distinct capture positions, the last one ``T`` (the final state), the others at
+    ``floor(i * T / n / 64) * 64`` for ``i = 1..n-1``, moved 17 tokens off the grid for even ``i``
+    (a tail); needs ``T >= 64 * n``."""
     if n <= 0 or T < CHUNK * n:
         raise ValueError(f"need 1 <= n <= T / {CHUNK}, got n={n}, T={T}")
-    pos = [(i * T // n) // CHUNK * CHUNK for i in range(1, n)] + [T]
+    pos = [(i * T // n) // CHUNK * CHUNK + (17 if i % 2 == 0 else 0) for i in range(1, n)] + [T]
     if len(set(pos)) != n:
         raise ValueError(f"positions collide: {pos}")
     return pos
@@ -120,19 +125,34 @@ def capture_overhead_cell(
     AA = -1  # A/A control: a second, identical plain variant; its "overhead" is the timing-noise floor
     pools = {n: torch.zeros(1 + max(n, 0), HV, V, K) for n in [0, AA, *n_caps]}
 
+    q, k, v, g, beta = (x[name] for name in ("q", "k", "v", "g", "beta"))
+    adds = {
+        n: track_additions([0] * n, capture_positions(T, n), list(range(1, n + 1)), [0], [T],
+                           conv_len=0, layout=Layout.CHUNKS, grid=CHUNK)
+        for n in n_caps
+    }  # fmt: skip
+
+    def capture(n: int, h: torch.Tensor) -> None:
+        """The capture's own work: SGLang's track copies from ``h`` and the final state, then the
+        tails (an ``h`` row advanced by the recurrent kernel), as the server runs them."""
+        a, pool = adds[n], pools[n]
+        if a.h_dst:
+            pool[torch.tensor(a.h_dst)] = h.squeeze(0)[torch.tensor(a.h_src)]
+        if a.final_dst:
+            pool[torch.tensor(a.final_dst)] = pool[idx[torch.tensor(a.final_rows)]]
+        if a.tail_dst:
+            dst, tok = torch.tensor(a.tail_dst), torch.tensor(a.tail_tokens)
+            pool[dst] = h.squeeze(0)[torch.tensor(a.tail_src)]
+            fused_recurrent_gated_delta_rule_update(
+                q[:, tok], k[:, tok], v[:, tok], g[:, tok], beta[:, tok], initial_state_source=pool,
+                initial_state_indices=dst, cu_seqlens=torch.tensor(a.tail_cu), use_qk_l2norm_in_kernel=True,
+                disable_output_calculation=True,
+            )  # fmt: skip
+
     def call(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = pools[n]
-        caps = {}
+        o, fin, h = chunk_gated_delta_rule(q, k, v, g, beta, pools[n], True, cu, False, True, idx)
         if n > 0:
-            caps = dict(
-                capture_cu=torch.tensor([0, n]),
-                capture_offsets=torch.tensor(capture_positions(T, n)),
-                capture_slots=torch.arange(1, n + 1),
-                capture_pool=pool,
-            )
-        o, fin = chunk_gated_delta_rule(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], pool, True, cu, False, True, idx, **caps
-        )
+            capture(n, h)
         return o, fin
 
     variants = [0, AA, *n_caps]
@@ -153,15 +173,15 @@ def capture_overhead_cell(
     # the final-position capture must hold the final state (pool layout [HV, V, K])
     err_final_cap = {n: max_err(pools[n][n], last[n][1][0]) for n in n_caps}
 
-    # the capture's own work (state clone in the chunk loop + transposed store into the pool), isolated
-    state = torch.randn(HV, K, V)
+    # the capture's own work (copies from h, the final state, the tails), isolated
+    pools[0][0].copy_(h0)
+    _, _, h_plain = chunk_gated_delta_rule(q, k, v, g, beta, pools[0], True, cu, False, True, idx)
     copy_times = {}
     for n in n_caps:
         best = float("inf")
         for _ in range(max(5, rounds)):
             t0 = time.perf_counter()
-            for j in range(n):
-                pools[n][1 + j] = state.clone().transpose(-1, -2).to(pools[n].dtype)
+            capture(n, h_plain)
             best = min(best, time.perf_counter() - t0)
         copy_times[n] = best
 
@@ -228,8 +248,9 @@ def run_capture_overhead(
     H, HV, K, V = heads
     print()
     print(
-        f"Capture overhead of the CPU server op sgl_kernel_cpu.chunk_gated_delta_rule (list capture into the "
-        f"state pool; H={H}, HV={HV}, K={K}, V={V}, fp32, torch threads {torch.get_num_threads()})"
+        "Capture overhead over the CPU server op sgl_kernel_cpu.chunk_gated_delta_rule (track copies "
+        f"+ tails into the state pool; H={H}, HV={HV}, K={K}, V={V}, fp32, "
+        f"torch threads {torch.get_num_threads()})"
     )
     hdr = (
         "T|caps|rounds|plain min s|cap min s|ovh% min|plain med s|cap med s|ovh% med|ovh% pair|copy %|"

@@ -18,6 +18,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -706,6 +707,10 @@ class SparseRadixCache(UnifiedRadixCache):
     """``UnifiedRadixCache`` + the policy (capture plan, admission, eviction order, stats)."""
 
     is_sparse = True
+    #: ``cut`` here; :class:`~.capture.CaptureRadixCache` captures in the forward
+    capture_mode = "cut"
+    #: why the factory chose the mode (``config.resolve_capture``)
+    capture_reason = "SGLANG_SPARSE_CAPTURE=cut"
 
     def __init__(self, params, *, policy: TreePolicy, kv_bytes_per_token: int, state_bytes: int):
         self.policy = policy
@@ -892,6 +897,8 @@ class SparseRadixCache(UnifiedRadixCache):
             invariant_checks=self._check,
             invariant_violations=self.invariant_violations,
             last_invariant_error=self.last_invariant_error,
+            capture_mode=self.capture_mode,
+            capture_reason=self.capture_reason,
         )
         return d
 
@@ -922,6 +929,15 @@ def sparse_prefill_adder_class() -> type:
         one chunked request exists (scheduler invariant)."""
 
         _sparse_closed = False
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            cache = self._sparse()
+            if cache is not None and getattr(cache, "capture_forward", False):
+                # A chunk truncated at the batch's token budget ends on the policy's grid (SGLang
+                # rounds it down with this grid under DCP only), so the next extend starts on the
+                # grid and its captures there need no tail.
+                self.mamba_chunk_grid = math.lcm(max(int(self.mamba_chunk_grid), 1), cache.policy.config.grid)
 
         def _sparse(self) -> SparseRadixCache | None:
             c = self.tree_cache

@@ -1,32 +1,26 @@
-"""In-forward state capture of the ``sparse`` backend (``SGLANG_SPARSE_CAPTURE=forward``).
+"""In-forward state capture of the ``sparse`` backend (``SGLANG_SPARSE_CAPTURE=forward``, the
+default on every device and both state strategies).
 
-With ``cut`` (the default path of :mod:`.cache`) every planned position strictly inside a prefill
-extend ends the chunk there (one more forward, a closed batch) and SGLang's ``no_buffer`` strategy
-checkpoints the live state at the chunk end. With ``forward`` the extend is not cut: the states at
-those positions are written *during* the forward into Mamba pool slots reserved for them, and the
-next checkpoint of the request publishes them into the tree, in increasing position order, before
-its own (chunk-end / prompt-end / final) state. Chunk ends, prompt ends and finishes are still
-no_buffer's own checkpoints.
+With ``cut`` every planned position strictly inside a prefill extend ends the chunk there (one more
+forward, a closed batch). With ``forward`` the extend is not cut: the states at those positions are
+written *during* the forward into Mamba pool slots reserved for them, by SGLang's own prefill track
+copies (:mod:`.track_capture`), and the next checkpoint of the request publishes them into the tree,
+in increasing position order, around its own (chunk-end / prompt-end / final) state.
 
-Data flow (one scheduler step, no overlap schedule, page size 1 -- both required by no_buffer):
+Data flow (one scheduler step):
 
 1. ``ScheduleBatch.prepare_for_extend`` (AFTER hook, :func:`_prepare_for_extend_hook`):
-   :meth:`CaptureRadixCache.build_capture_plan` turns each request's planned positions ``p`` with
-   ``prefix_len < p < extend_end`` into ``(row, p - prefix_len, slot)``, allocating one pool slot per
-   capture (evicting tree states if the pool is short, else dropping the deepest captures of the
-   batch: deterministic, a pure function of the batch and the pool). The slots are *pending*
+   :meth:`CaptureRadixCache.build_capture_plan` turns each request's planned positions ``p`` inside
+   its extend into ``(row, p - prefix_len, slot)``, allocating one pool slot per capture (evicting
+   tree states if the pool is short, else dropping the deepest captures of the batch:
+   deterministic, a pure function of the batch and the pool). The slots are *pending*
    (``cache._capture_pending[rid]``), owned by the cache until published or freed.
-2. ``ForwardBatch.init_new`` (AFTER hook): the plan is popped from the ScheduleBatch and becomes
-   the process's *forward plan* (the hand-offs below) for exactly this forward (SGLang's eager
-   runner copies the ForwardBatch, so the plan cannot ride on it as an attribute).
-3. ``GDNAttnBackend._convolve_prefill`` (AROUND): before the conv kernel overwrites the working
-   slots, the conv state at every capture (the last ``W - 1`` pre-conv inputs, spliced from the
-   initial window when the offset is ``< W - 1``) goes to the capture slots
-   (:func:`~sglang_sparse_kernels.sgl_kernel_cpu.conv.capture_conv_states`).
-4. ``GDNKernelDispatcher.extend`` (AROUND): the list-capture form of the CPU GDN prefill op writes
-   the SSM state at every capture offset into the same slots, in the pool's layout and dtype
-   (:func:`~sglang_sparse_kernels.sgl_kernel_cpu.delta_rule.chunk_gated_delta_rule`).
-5. The request's next ``checkpoint`` (:meth:`CaptureRadixCache.checkpoint`) publishes the pending
+2. ``ForwardBatch.init_new`` (AFTER hook): the plan leaves the ScheduleBatch and becomes the
+   process's *forward plan* for exactly this forward (:func:`.track_capture.set_forward_plan`).
+3. The forward: the plan's captures become entries of SGLang's own track lists (conv rows, ``h``
+   rows, final states, Mamba2 recomputes) and GDN tails off the state grid
+   (:mod:`.track_capture`); SGLang's copy code writes them in every recurrent layer.
+4. The request's next ``checkpoint`` (:meth:`CaptureRadixCache.checkpoint`) publishes the pending
    slots with ``checkpoint_into_tree(req, up_to=p)``; :class:`CaptureMambaComponent` hands the
    pre-filled slot to the insert (no allocation, no copy). A slot whose node already holds a state
    is freed by SGLang's own cleanup (``mamba_exist``).
@@ -39,33 +33,24 @@ Invariants:
   (:meth:`CaptureRadixCache.evict_for_alloc`: SGLang budgets the pool per running request and
   does not count capture slots); so at idle every Mamba slot is free or held by the tree
   (SGLang's idle checker holds);
-* a slot is published only if *every* GDN layer wrote both its conv and SSM state in the forward
-  (``CapturePlan.complete``); otherwise it is freed (``capture_incomplete``), never published with
-  a stale state;
+* a slot is published only if *every* recurrent layer's copies wrote it in the forward
+  (``CapturePlan.complete``); otherwise it is freed (``captures_incomplete``), never published
+  with a stale state;
 * capture slots never equal a working slot of the batch (they come from the allocator), so the
-  kernels never overwrite an input state.
+  copies never overwrite an input state.
 
-Only the CPU path (the project's pure-torch ``sgl_kernel`` shim) implements steps 3-4; GPU kernels
-(Triton/FlashInfer list capture) are Step 2, and the factory refuses ``forward`` elsewhere.
+Where a position is not captured (each counted in :meth:`CaptureRadixCache.sparse_stats`):
+``captures_skipped_conv``, fewer than ``W - 1`` tokens after the extend start (the conv window
+would reach into the previous extend; the state is within ``W - 2`` tokens of one the request
+resumed or checkpointed at); ``captures_dropped``, no free slot even after eviction. Whole-mode
+cuts (``capture=cut``, with the reason in ``capture_reason``): an explicit
+``SGLANG_SPARSE_CAPTURE=cut``, a GDN prefill kernel that returns no per-chunk states (CuTe DSL),
+HiCache with write-back (see ``docs/sparse_backend.md``).
 
-Per-process hand-offs
----------------------
-
-Per-process hand-offs of an in-forward capture plan (no SGLang import; the plugin's thin hook
-wrappers consult them on every call).
-
-* The *forward plan*: set by the ``ForwardBatch.init_new`` hook for the forward being built (cleared
-  by the next ``init_new`` without a plan, or once every GDN layer wrote it). It cannot ride on the
-  ForwardBatch: SGLang's eager runner (``EagerRunner.load_batch``) copies the live batch into its
-  static buffers, a new object without our attribute. A batch's ``init_new`` is followed by its own
-  forward before the next ``init_new``, with or without the overlap schedule: SGLang's overlap loop
-  is single-threaded (``run_batch`` builds the ForwardBatch and launches every layer of forward N,
-  then processes the result of N-1), so the plan of forward N is never seen by N+1.
-* :class:`Active`: layers run one at a time in the scheduler's forward thread, so one slot suffices:
-  the conv hook of layer ``L`` sets it, the kernel hook of the same layer consumes it.
-* The *decode grid* (``extra_buffer`` only): set once by the backend factory in the scheduler
-  process; SGLang's ``mamba_track_grid`` returns it instead of ``lcm(grid, --mamba-track-interval)``
-  so decode states can be tracked on the policy's grid (which rows track is the policy's choice).
+Per-process hand-offs: the forward plan (:mod:`.track_capture`) and the *decode grid*
+(``extra_buffer`` only): set once by the backend factory in the scheduler process; SGLang's
+``mamba_track_grid`` returns it instead of ``lcm(grid, --mamba-track-interval)`` so decode states
+can be tracked on the policy's grid (which rows track is the policy's choice).
 
 Decode-time state tracks (:func:`refine_decode_tracks`)
 -------------------------------------------------------
@@ -107,62 +92,16 @@ matches what the forward did.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .cache import SparseMambaComponent, SparseRadixCache, key_length
+from .track_capture import CapturePlan, set_forward_plan
+from .track_lists import conv_window_fits
 
 logger = logging.getLogger("sglang_sparse")
-
-
-@dataclass
-class CapturePlan:
-    """Captures of one extend forward, sorted by (row, offset).
-
-    ``rows[j]``: batch row (index into ``ScheduleBatch.reqs``, prefill rows come first);
-    ``offsets[j]``: tokens of that row's extend before the captured state (``0 < offset < extend_len``);
-    ``slots[j]``: virtual Mamba pool slot (allocator id). ``n_layers``: GDN layers of the model; the
-    plan is ``complete`` once every one of them wrote conv and SSM states."""
-
-    rows: list[int]
-    offsets: list[int]
-    slots: list[int]
-    n_layers: int
-    conv_layers: set[int] = field(default_factory=set)
-    ssm_layers: set[int] = field(default_factory=set)
-    _csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def complete(self) -> bool:
-        return len(self.conv_layers) == len(self.ssm_layers) == self.n_layers
-
-    @property
-    def started(self) -> bool:
-        """Its forward has begun (a GDN layer wrote, or the kernels' index tensors exist)."""
-        return bool(self.conv_layers or self.ssm_layers) or self._csr is not None
-
-    def remove(self, slot: int) -> None:
-        """Take ``slot``'s capture out of a plan whose forward has not begun (its kernels will not
-        write the slot, which goes back to the allocator)."""
-        assert not self.started, "a started plan's slots are written by its forward"
-        j = self.slots.index(int(slot))
-        del self.rows[j], self.offsets[j], self.slots[j]
-
-    def csr(self, n_seq: int, translate: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(cu [n_seq + 1], offsets [P], physical slots [P])`` int64 CPU tensors (built once)."""
-        if self._csr is None:
-            counts = [0] * n_seq
-            for r in self.rows:
-                counts[r] += 1
-            cu = torch.zeros(n_seq + 1, dtype=torch.int64)
-            cu[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-            slots = torch.tensor(self.slots, dtype=torch.int64)
-            if translate is not None:
-                slots = translate(slots).to(torch.int64).reshape(-1)
-            self._csr = (cu, torch.tensor(self.offsets, dtype=torch.int64), slots)
-        return self._csr
 
 
 @dataclass
@@ -210,6 +149,7 @@ class CaptureRadixCache(SparseRadixCache):
     extend, publication at the next checkpoint, and no slot leak (see the module docstring)."""
 
     capture_forward = True
+    capture_mode = "forward"
 
     def __init__(self, params, **kwargs: Any) -> None:
         self._capture_pending: dict[str, list[_Pending]] = {}
@@ -223,10 +163,17 @@ class CaptureRadixCache(SparseRadixCache):
             "captures_freed": 0,  # freed unpublished (abort, retraction, flush, not reached)
             "captures_incomplete": 0,  # freed: not every layer wrote the slot
             "captures_reclaimed": 0,  # freed unpublished: SGLang's own allocation needed the slot
+            "captures_skipped_conv": 0,  # within W - 1 tokens of the extend start: not captured
             "capture_forwards": 0,  # forwards that carried a plan
+            "capture_tails": 0,  # captures off the state grid advanced by the recurrent kernel (GDN)
+            "capture_graph_vetoes": 0,  # full prefill CUDA graph replays refused for a plan's forward
+            "capture_layout": None,  # where the extend kernel's per-chunk states were (track_lists)
         }
         super().__init__(params, **kwargs)
-        self._n_gdn_layers = int(self.req_to_token_pool.mamba_pool.mamba_cache.temporal.shape[0])
+        cache = self.req_to_token_pool.mamba_pool.mamba_cache
+        #: recurrent layers (one SSM pool per layer) and the conv state width W - 1 (tokens)
+        self._n_state_layers = int(cache.temporal.shape[0])
+        self._conv_len = int(cache.conv[0].shape[-1]) if getattr(cache, "conv", None) else 0
 
     # ------------------------------------------------------------------ planning
 
@@ -244,7 +191,9 @@ class CaptureRadixCache(SparseRadixCache):
         snapshot itself (step 1): ``prefix_len < p < extend_end`` with no_buffer (its checkpoint
         copies the live state at ``extend_end``); with extra_buffer also ``p == extend_end``, except
         the one grid point SGLang's own track takes in this extend (``mamba_last_track_seqlen``,
-        offered to admission at the next checkpoint like a no_buffer chunk end)."""
+        offered to admission at the next checkpoint like a no_buffer chunk end). Positions off the
+        page grid are never planned with extra_buffer; positions fewer than ``W - 1`` tokens after
+        the extend start are skipped (``captures_skipped_conv``)."""
         want: list[tuple[int, int, int]] = []  # (row, offset, absolute position)
         decoding = getattr(batch, "decoding_reqs", None) or ()
         extra = self.enable_mamba_extra_buffer
@@ -261,6 +210,9 @@ class CaptureRadixCache(SparseRadixCache):
             for p in self.planned_positions(req):
                 if lo < p < hi or (extra and p == hi):
                     if p != own and p % self.page_size == 0:
+                        if not conv_window_fits(p - lo, self._conv_len):
+                            self.capture_stats["captures_skipped_conv"] += 1
+                            continue
                         want.append((row, p - lo, p))
         if not want:
             return None
@@ -291,11 +243,14 @@ class CaptureRadixCache(SparseRadixCache):
             self.capture_stats["captures_dropped"] += len(want)
             return None
         slots = slots.reshape(-1)
+        rows = sorted({w[0] for w in want})
         plan = CapturePlan(
             rows=[w[0] for w in want],
             offsets=[w[1] for w in want],
             slots=[int(s) for s in slots.tolist()],
-            n_layers=self._n_gdn_layers,
+            geometry={r: _extend_of(batch.reqs[r]) for r in rows},
+            n_layers=self._n_state_layers,
+            stats=self.capture_stats,
         )
         for j, (row, _, p) in enumerate(want):
             rid = batch.reqs[row].rid
@@ -397,10 +352,11 @@ class CaptureRadixCache(SparseRadixCache):
             if not e.plan.complete:
                 if not self.capture_stats["captures_incomplete"]:
                     logger.warning(
-                        "sparse capture: plan incomplete (conv layers %d, ssm layers %d, of %d); "
-                        "freeing its slots",
-                        len(e.plan.conv_layers),
-                        len(e.plan.ssm_layers),
+                        "sparse capture: plan incomplete (attached %s, layers copied %d, with tails "
+                        "%d, of %d); freeing its slots",
+                        e.plan.started,
+                        e.plan.copies_done,
+                        len(e.plan.tail_layers),
                         e.plan.n_layers,
                     )
                 self._free_slot(e.slot)
@@ -459,8 +415,14 @@ class CaptureRadixCache(SparseRadixCache):
 
     def sparse_stats(self) -> dict[str, Any]:
         d = super().sparse_stats()
-        d.update(self.capture_stats, capture_mode="forward", captures_pending=self.pending_capture_slots())
+        d.update(self.capture_stats, captures_pending=self.pending_capture_slots())
         return d
+
+
+def _extend_of(req) -> tuple[int, int]:
+    """``(prefix_len, extend_len)`` of the request's extend this step (tokens)."""
+    lo = int(req.prefix_len)
+    return lo, int(req.extend_end) - lo
 
 
 # ---------------------------------------------------------------------- hooks
@@ -488,121 +450,6 @@ def _init_new_hook(result, cls, batch, *args, **kwargs):
         if cache is not None and hasattr(cache, "capture_stats"):
             cache.capture_stats["capture_forwards"] += 1
     return result
-
-
-def _convolve_prefill_hook(original, self, layer, forward_batch, mixed_qkv, conv_states, cache_indices):
-    plan: CapturePlan | None = forward_plan()
-    clear_active()
-    mode = forward_batch.forward_mode
-    if (
-        plan is not None
-        and plan.slots
-        and (mode.is_extend() or mode.is_mixed())
-        and not mode.is_target_verify()
-        and getattr(self, "mis_metadata", None) is None
-    ):
-        from sglang_sparse_kernels.sgl_kernel_cpu.conv import capture_conv_states
-
-        qsl = self.forward_metadata.query_start_loc
-        n_seq = int(qsl.numel()) - 1
-        if max(plan.rows) >= n_seq:  # not this plan's forward: leave it incomplete (slots freed)
-            return original(self, layer, forward_batch, mixed_qkv, conv_states, cache_indices)
-        cu, offs, slots = plan.csr(n_seq, getattr(self.req_to_token_pool, "translate_mamba_indices", None))
-        pool = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id).conv[0]
-        capture_conv_states(
-            mixed_qkv,
-            conv_states,
-            qsl,
-            cache_indices,
-            forward_batch.extend_prefix_lens > 0,
-            cu,
-            offs,
-            slots,
-            capture_pool=pool,
-        )
-        plan.conv_layers.add(int(layer.layer_id))
-        Active.layer_id, Active.plan, Active.n_seq = int(layer.layer_id), plan, n_seq
-    return original(self, layer, forward_batch, mixed_qkv, conv_states, cache_indices)
-
-
-def _extend_hook(original, self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, **kwargs):
-    plan = Active.plan
-    layer_id = kwargs.get("layer_id")
-    if plan is None or layer_id is None or int(layer_id) != Active.layer_id:
-        return original(
-            self, q, k, v, g, beta,
-            ssm_states=ssm_states, cache_indices=cache_indices, query_start_loc=query_start_loc, **kwargs,
-        )  # fmt: skip
-    n_seq = Active.n_seq
-    clear_active()
-    from sglang_sparse_kernels.sgl_kernel_cpu import delta_rule
-
-    # extra_buffer: SGLang snapshots its own track state from the per-chunk states ``h`` (as from
-    # the Triton kernel it replaces); the same call computes them, capture and outputs unchanged.
-    with_h = _sglang_tracks_prefill_states()
-    op = delta_rule.chunk_gated_delta_rule_with_h if with_h else delta_rule.chunk_gated_delta_rule
-    cu, offs, slots = plan.csr(n_seq)
-    out = op(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        ssm_states,
-        True,
-        query_start_loc,
-        False,
-        True,
-        cache_indices,
-        capture_cu=cu,
-        capture_offsets=offs,
-        capture_slots=slots,
-        capture_pool=ssm_states,
-    )
-    o, final = out[0], out[1]
-    h = out[2] if with_h else None
-    plan.ssm_layers.add(int(layer_id))
-    if plan.complete:
-        set_forward_plan(None)  # every GDN layer wrote it: nothing later may write these slots
-    return o, final, h
-
-
-def _sglang_tracks_prefill_states() -> bool:
-    """Whether SGLang reads per-chunk states ``h`` from a prefill (its extra_buffer strategy)."""
-    from sgl_kernel.mamba import sglang_tracks_prefill_states
-
-    return bool(sglang_tracks_prefill_states())
-
-
-# ---------------------------------------------------------------------- per-process hand-offs
-
-
-class Active:
-    """``layer_id``: GDN layer whose kernel call must capture; ``plan``: its ``CapturePlan``;
-    ``n_seq``: sequences (rows) of the forward."""
-
-    layer_id: int | None = None
-    plan: Any = None
-    n_seq: int = 0
-
-
-_FORWARD_PLAN: list[Any] = [None]
-
-
-def set_forward_plan(plan: Any) -> None:
-    _FORWARD_PLAN[0] = plan
-
-
-def forward_plan() -> Any:
-    return _FORWARD_PLAN[0]
-
-
-def active() -> bool:
-    return Active.plan is not None
-
-
-def clear_active() -> None:
-    Active.layer_id, Active.plan, Active.n_seq = None, None, 0
 
 
 _DECODE_GRID: list[int | None] = [None]

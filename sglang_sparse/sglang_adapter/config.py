@@ -48,7 +48,7 @@ class SparseConfig:
     log_every: int = 100
     probation: int = 2
     check_invariants: bool = False
-    capture: str = "forward"
+    capture: str | None = None  # None: auto (resolve_capture)
     host_bandwidth: float | None = None  # bytes/s; None: measured at start-up (HiCache only)
     device_flops: float | None = None  # FLOP/s; None: measured at start-up (HiCache only)
     host_cost: bool = True
@@ -184,6 +184,34 @@ def _capture(src: str, v: Any) -> str:
     if t not in CAPTURE_MODES:
         raise SparseConfigError(f"{src}={v!r}: unknown capture mode; valid: {', '.join(CAPTURE_MODES)}")
     return t
+
+
+def resolve_capture(
+    capture: str | None, *, interior_states: bool, hicache_write_policy: str | None = None
+) -> tuple[str, str]:
+    """The capture mode a server runs, and why: ``(mode, reason)``.
+
+    ``capture``: the option (None = auto). ``interior_states``: the prefill kernel returns states
+    inside an extend (every GDN kernel but CuTe DSL's, Mamba2's scan). ``hicache_write_policy``:
+    SGLang's HiCache write policy, None without HiCache. Auto is ``forward`` except where the chunk
+    cuts are the only way (no interior states) or measured better (HiCache write-back: *Host tier*
+    in docs/sparse_backend.md).
+
+    Raises:
+        SparseConfigError: ``forward`` asked for where the kernel has no interior states.
+    """
+    if capture == "cut":
+        return "cut", "SGLANG_SPARSE_CAPTURE=cut"
+    if not interior_states:
+        why = "the GDN prefill kernel returns no per-chunk states (CuTe DSL)"
+        if capture == "forward":
+            raise SparseConfigError(f"SGLANG_SPARSE_CAPTURE=forward: {why}; use cut or another kernel")
+        return "cut", why
+    if capture == "forward":
+        return "forward", "SGLANG_SPARSE_CAPTURE=forward"
+    if hicache_write_policy is not None and hicache_write_policy != "write_through":
+        return "cut", f"HiCache {hicache_write_policy} (the chunk cuts keep more there)"
+    return "forward", "default"
 
 
 def _gamma(src: str, v: Any) -> float:

@@ -43,12 +43,16 @@ def register() -> None:
     HookRegistry.register(_ADDER_TARGET, _adder_class_hook, HookType.AROUND)
     HookRegistry.register(_STATE_TARGET, _internal_state_hook, HookType.AFTER)
     HookRegistry.register(_SERVER_ARGS_TARGET, _server_args_hook, HookType.AFTER)
-    # SGLANG_SPARSE_CAPTURE=forward (sglang_sparse.sglang_adapter.capture); each hook is a no-op
-    # unless its batch belongs to a CaptureRadixCache, and imports the capture module lazily.
+    # SGLANG_SPARSE_CAPTURE=forward (sglang_sparse.sglang_adapter.capture, .track_capture); each
+    # hook is a no-op unless this process built a sparse backend with in-forward capture, and
+    # imports nothing until then.
     HookRegistry.register(_CAPTURE_PREPARE_TARGET, _capture_prepare_hook, HookType.AFTER)
     HookRegistry.register(_CAPTURE_INIT_NEW_TARGET, _capture_init_new_hook, HookType.AFTER)
-    HookRegistry.register(_CAPTURE_CONV_TARGET, _capture_conv_hook, HookType.AROUND)
+    for target in _CAPTURE_METADATA_TARGETS:
+        HookRegistry.register(target, _capture_metadata_hook, HookType.AFTER)
     HookRegistry.register(_CAPTURE_EXTEND_TARGET, _capture_extend_hook, HookType.AROUND)
+    HookRegistry.register(_CAPTURE_DONE_TARGET, _capture_done_hook, HookType.AFTER)
+    HookRegistry.register(_CAPTURE_GRAPH_TARGET, _capture_graph_hook, HookType.AROUND)
     # extra_buffer: decode-time states on the policy's grid, tracked only for requests whose plan
     # wants a state past the prompt (capture.refine_decode_tracks).
     HookRegistry.register(_TRACK_GRID_TARGET, _track_grid_hook, HookType.AROUND)
@@ -61,13 +65,23 @@ def register() -> None:
 
 _CAPTURE_PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
 _CAPTURE_INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-_CAPTURE_CONV_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend._convolve_prefill"
+_HYBRID_BACKEND = "sglang.srt.layers.attention.hybrid_linear_attn_backend"
+_CAPTURE_METADATA_TARGETS = (
+    "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.init_forward_metadata",
+    f"{_HYBRID_BACKEND}.Mamba2AttnBackend.init_forward_metadata",
+)
 _CAPTURE_EXTEND_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
+_CAPTURE_DONE_TARGET = f"{_HYBRID_BACKEND}.MambaAttnBackendBase._track_mamba_state_extend"
+_CAPTURE_GRAPH_TARGET = (
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph"
+)
+#: hooks the capture needs in the scheduler (the graph veto matters only where prefill graphs run)
 _CAPTURE_TARGETS = (
     _CAPTURE_PREPARE_TARGET,
     _CAPTURE_INIT_NEW_TARGET,
-    _CAPTURE_CONV_TARGET,
+    *_CAPTURE_METADATA_TARGETS,
     _CAPTURE_EXTEND_TARGET,
+    _CAPTURE_DONE_TARGET,
 )
 _TRACK_GRID_TARGET = "sglang.srt.runtime_context.mamba_track_grid"
 _DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
@@ -90,12 +104,19 @@ def _chat_request_hook(result, self, request, *args, **kwargs):
 
 
 _CAPTURE_MODULE = f"{__package__}.capture"
+_TRACK_MODULE = f"{__package__}.track_capture"
 
 
 def _capture_module() -> Any:
     """The capture module if this process built a sparse backend (its factory imports it), else
     ``None``: the wrappers below then call SGLang's function unchanged and import nothing."""
     return sys.modules.get(_CAPTURE_MODULE)
+
+
+def _track_module() -> Any:
+    """The forward side of the capture if this process built a sparse backend with in-forward
+    capture (:mod:`.track_capture`, imported by :mod:`.capture`), else ``None``."""
+    return sys.modules.get(_TRACK_MODULE)
 
 
 def _track_grid_hook(original, *args, **kwargs):
@@ -134,26 +155,43 @@ def _capture_init_new_hook(result, cls, batch, *args, **kwargs):
         return result
     if getattr(batch, "sparse_capture", None) is not None:
         return cap._init_new_hook(result, cls, batch, *args, **kwargs)
-    cap.set_forward_plan(None)  # this forward carries no plan
+    track = _track_module()
+    if track is not None:
+        track.set_forward_plan(None)  # this forward carries no plan
     return result
 
 
-def _capture_conv_hook(original, self, layer, forward_batch, *args, **kwargs):
-    cap = _capture_module()
-    if cap is not None and (cap.forward_plan() is not None or cap.active()):
-        return cap._convolve_prefill_hook(original, self, layer, forward_batch, *args, **kwargs)
-    return original(self, layer, forward_batch, *args, **kwargs)
+def _capture_metadata_hook(result, self, forward_batch, *args, **kwargs):
+    track = _track_module()
+    if track is not None and track.forward_plan() is not None:
+        track.attach(self, forward_batch, track.forward_plan())
+    return result
 
 
 def _capture_extend_hook(original, self, *args, **kwargs):
-    cap = _capture_module()
-    if cap is not None and cap.active():
-        return cap._extend_hook(original, self, *args, **kwargs)
+    track = _track_module()
+    if track is not None and track.forward_plan() is not None:
+        return track.extend_hook(original, self, *args, **kwargs)
+    return original(self, *args, **kwargs)
+
+
+def _capture_done_hook(result, self, *args, **kwargs):
+    track = _track_module()
+    if track is not None and track.forward_plan() is not None:
+        track.done_hook(result, self, *args, **kwargs)
+    return result
+
+
+def _capture_graph_hook(original, self, *args, **kwargs):
+    track = _track_module()
+    if track is not None and track.forward_plan() is not None:
+        return track.graph_veto_hook(original, self, *args, **kwargs)
     return original(self, *args, **kwargs)
 
 
 def _capture_hooks_applied() -> bool:
-    """True when SGLang applied all four capture hooks in this process (checked by the factory)."""
+    """True when SGLang applied every capture hook of :data:`_CAPTURE_TARGETS` in this process
+    (checked by the factory)."""
     import pkgutil
 
     for target in _CAPTURE_TARGETS:
@@ -194,7 +232,25 @@ def launcher_problems(server_args: Any) -> list[str]:
         problems += _grid_option_problems(config, int(page))
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache contradicts --radix-cache-backend sparse")
-    return problems
+    return problems + unsupported_modes(server_args)
+
+
+def unsupported_modes(server_args: Any) -> list[str]:
+    """Serving modes the backend refuses (launcher and factory alike), one message each."""
+    out = []
+    algo = getattr(server_args, "speculative_algorithm", None)
+    if algo:
+        out.append(
+            f"--speculative-algorithm {algo} is not supported yet: its verify steps accept several tokens "
+            "per decode step, which the backend's decode-state tracks and finish states do not model, and "
+            "it cannot be tested on the project's CPU machines; serve without it or with the default cache"
+        )
+    if getattr(server_args, "enable_two_batch_overlap", False):
+        out.append(
+            "--enable-two-batch-overlap is not supported (SGLang tracks no Mamba states under two-batch "
+            "overlap: schedule_batch.py, prepare_for_extend)"
+        )
+    return out
 
 
 def _grid_option_problems(config: Any, page: int) -> list[str]:
@@ -323,22 +379,21 @@ def gather_rank_stats(stats: dict, group: Any) -> list[dict]:
     return out
 
 
-def _capture_explicit() -> bool:
-    """True when the capture mode was set by ``SGLANG_SPARSE_CAPTURE`` or the JSON config (not the
-    default): an explicit ``forward`` off the CPU is an error, the default falls back to ``cut``."""
-    import json
-    import os
-
-    if os.environ.get("SGLANG_SPARSE_CAPTURE"):
+def _prefill_kernel_has_states(server_args: Any) -> bool:
+    """Whether the GDN prefill kernel SGLang will pick returns states inside an extend: all but
+    the CuTe DSL kernel on SM10x (``linear/kernels/gdn_cutedsl.py``: ``h`` is None; on other GPUs
+    SGLang falls back to Triton for prefill). Mamba2 models always do (their scan)."""
+    name = getattr(server_args, "linear_attn_prefill_backend", None) or getattr(
+        server_args, "linear_attn_backend", None
+    )
+    if name != "cutedsl":
         return True
-    path = os.environ.get("SGLANG_SPARSE_CONFIG")
-    if not path:
-        return False
     try:
-        with open(path, encoding="utf-8") as f:
-            return "capture" in json.load(f)
-    except (OSError, ValueError, TypeError):
-        return False
+        import torch
+
+        return not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10)
+    except Exception:  # noqa: BLE001 - no CUDA: SGLang refuses cutedsl itself
+        return True
 
 
 class SparseBackendError(ValueError):
@@ -531,7 +586,7 @@ def sparse_cache_factory(ctx: Any):
         SparseRadixCache,
         make_sparse_tree_core,
     )
-    from .config import CUT_MIN_GAIN, SparseConfig
+    from .config import CUT_MIN_GAIN, SparseConfig, resolve_capture
     from .tree_policy import TreePolicy
 
     config = SparseConfig.from_env()  # SparseConfigError names the variable
@@ -563,6 +618,7 @@ def sparse_cache_factory(ctx: Any):
         )
     if p.enable_session_radix_cache or get_memory().enable_session_radix_cache:
         problems.append("--enable-session-radix-cache is not supported")
+    problems += unsupported_modes(ctx.server_args)
     if get_serving().enable_streaming_session:
         problems.append("--enable-streaming-session is not supported")
     try:
@@ -612,29 +668,12 @@ def sparse_cache_factory(ctx: Any):
     p.tree_core_backend = TREE_CORE_NAME
 
     cache_class = SparseRadixCache
-    capture = config.capture
-    if capture == "forward":
-        from sglang.srt.utils import is_cpu
-
-        if not is_cpu():
-            if _capture_explicit():
-                raise SparseBackendError(
-                    "--radix-cache-backend sparse: SGLANG_SPARSE_CAPTURE=forward needs the CPU GDN kernel "
-                    "shim (GPU list-capture kernels are not implemented); use SGLANG_SPARSE_CAPTURE=cut"
-                )
-            logger.warning("sparse cache: no in-forward capture kernel on this device; capture=cut")
-            capture = "cut"
     write_policy = getattr(ctx.server_args, "hicache_write_policy", None) or "write_through"
-    if capture == "forward" and ctx.enable_hierarchical_cache and write_policy != "write_through":
-        # Both run, but with write-back the chunk cuts keep more on the measured slices
-        # (docs/sparse_backend.md, "Host tier"); write-through keeps the CPU default.
-        if not _capture_explicit():
-            logger.info(
-                "sparse cache: HiCache %s: capture=cut by default (SGLANG_SPARSE_CAPTURE=forward "
-                "to override)",
-                write_policy,
-            )
-            capture = "cut"
+    capture, capture_reason = resolve_capture(
+        config.capture,
+        interior_states=_prefill_kernel_has_states(ctx.server_args),
+        hicache_write_policy=write_policy if ctx.enable_hierarchical_cache else None,
+    )
     if capture == "forward":
         from .capture import CaptureMambaComponent, CaptureRadixCache
 
@@ -687,6 +726,7 @@ def sparse_cache_factory(ctx: Any):
         return cache_class(params, policy=policy, kv_bytes_per_token=kv_bytes, state_bytes=state_bytes)
 
     cache = create_unified_radix_cache(ctx, cache_class=build)
+    cache.capture_reason = capture_reason
     if ctx.enable_hierarchical_cache:
         kvcache = p.token_to_kv_pool_allocator.get_kvcache()
         host = host_tier_config(cache, ctx, config, getattr(kvcache, "device", "cpu"))
@@ -713,12 +753,14 @@ def sparse_cache_factory(ctx: Any):
         kv_tokens,
         mamba_slots,
         state_bytes,
-        startup_summary(extra_buffer, overlap, page, capture, grid),
+        startup_summary(extra_buffer, overlap, page, capture, grid, capture_reason),
     )
     return cache
 
 
-def startup_summary(extra_buffer: bool, overlap: bool, page: int, capture: str, grid: int) -> str:
+def startup_summary(
+    extra_buffer: bool, overlap: bool, page: int, capture: str, grid: int, reason: str = "default"
+) -> str:
     """The start-up log's account of which state path the backend runs on, and why."""
     if extra_buffer:
         on = "on" if overlap else "off"
@@ -734,11 +776,11 @@ def startup_summary(extra_buffer: bool, overlap: bool, page: int, capture: str, 
             "exact state at every chunk end, prompt end and finish and the policy keeps the planned ones"
         )
     how = (
-        "planned positions inside a prefill are written during the forward"
+        "planned positions inside a prefill are written during the forward by SGLang's track copies"
         if capture == "forward"
         else "each planned position inside a prefill ends a chunk: one more forward"
     )
-    return f"{path}; capture={capture} ({how})"
+    return f"{path}; capture={capture} ({reason}: {how})"
 
 
 DEFAULT_GRID = 64

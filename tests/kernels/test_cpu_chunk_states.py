@@ -4,10 +4,11 @@ SGLang's ``extra_buffer`` Mamba radix-cache strategy snapshots a prefill's state
 boundary it wants to cache by gathering ``h.squeeze(0)[h_src]`` (``hybrid_linear_attn_backend.py``
 ``_track_mamba_state_extend``), with ``h_src = h_offset[row] + rel // 64`` and ``h_offset`` the
 running sum of ``ceil(len / 64)`` (``prefill_track_metadata.build_prefill_track_plan``). These tests
-check that :func:`chunk_gated_delta_rule_with_h` returns exactly those states (against the
-token-by-token reference :func:`sglang_sparse_kernels.gdn_capture.naive.naive_recurrent_gdn`), in the
-pool's ``[HV, V, K]`` layout, and that ``o``, the final states, the in-place pool update and the list
-capture are bit-identical to :func:`chunk_gated_delta_rule` without ``h``.
+check that :func:`chunk_gated_delta_rule` (the CPU stand-in of SGLang's Triton kernel) returns
+exactly those states (against the token-by-token reference
+:func:`sglang_sparse_kernels.gdn_capture.naive.naive_recurrent_gdn`), in the pool's ``[HV, V, K]``
+layout, and that :func:`fused_recurrent_gated_delta_rule_update` (the stand-in of SGLang's recurrent
+kernel, which advances an ``h`` row to an off-grid capture) matches an fp64 recurrence.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from sglang_sparse_kernels.sgl_kernel_cpu import l2norm  # noqa: E402
 from sglang_sparse_kernels.sgl_kernel_cpu.delta_rule import (  # noqa: E402
     DEFAULT_CHUNK,
     chunk_gated_delta_rule,
-    chunk_gated_delta_rule_with_h,
+    fused_recurrent_gated_delta_rule_update,
 )
+from sparse_testing.gdn_reference import gdn_states_fp64  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 
@@ -71,7 +73,7 @@ def _h_offsets(lengths: list[int]) -> list[int]:
 def test_h_rows_are_states_before_each_chunk(lengths: list[int]) -> None:
     """Row ``h_offset[n] + c`` equals the reference state after ``c * C`` tokens of sequence ``n``."""
     qkvgb, cu_seq, pool, work, init = _packed(lengths, seed=len(lengths))
-    o, fin, h = chunk_gated_delta_rule_with_h(*qkvgb, pool, True, cu_seq, False, True, work)
+    o, fin, h = chunk_gated_delta_rule(*qkvgb, pool, True, cu_seq, False, True, work)
     rows = _h_offsets(lengths)
     assert h.shape == (1, rows[-1], HV, V, K) and h.dtype == torch.float32
     q, k, v, g, beta = qkvgb
@@ -102,7 +104,7 @@ def test_h_as_sglang_indexes_it() -> None:
     mask = [True, True, True, False, True]
     plan = plan_mod.build_prefill_track_plan(mask, track, lengths, prefix, C, mamba2=False)
     qkvgb, cu_seq, pool, work, init = _packed(lengths, seed=7)
-    _, _, h = chunk_gated_delta_rule_with_h(*qkvgb, pool, True, cu_seq, False, True, work)
+    _, _, h = chunk_gated_delta_rule(*qkvgb, pool, True, cu_seq, False, True, work)
     assert plan.h_rows == [0, 2, 4] and plan.final_rows == [1]  # 64 tokens: aligned, final state
     q, k, v, g, beta = qkvgb
     positions = [[(n // C) * C] for n in lengths]
@@ -115,33 +117,6 @@ def test_h_as_sglang_indexes_it() -> None:
         assert float((snap[j] - want).abs().max()) < TOL, row
 
 
-@pytest.mark.parametrize("with_capture", [False, True])
-def test_o_final_pool_and_capture_bit_identical(with_capture: bool) -> None:
-    """Asking for ``h`` changes nothing else, bit for bit (also with the list capture)."""
-    lengths = [70, 5, 200, 64]
-    qkvgb, cu_seq, pool, work, _ = _packed(lengths, seed=11)
-    extra = {}
-    cap_pool = torch.zeros(6, HV, V, K)
-    if with_capture:
-        extra = dict(
-            capture_cu=torch.tensor([0, 2, 2, 4, 5]),
-            capture_offsets=torch.tensor([1, 64, 65, 199, 64]),
-            capture_slots=torch.tensor([0, 1, 2, 3, 4]),
-            capture_pool=cap_pool,
-        )
-    pool_a, pool_b = pool.clone(), pool.clone()
-    o_a, fin_a = chunk_gated_delta_rule(*qkvgb, pool_a, True, cu_seq, False, True, work, **extra)
-    cap_a = cap_pool.clone()
-    cap_pool.zero_()
-    o_b, fin_b, h = chunk_gated_delta_rule_with_h(*qkvgb, pool_b, True, cu_seq, False, True, work, **extra)
-    assert torch.equal(o_a, o_b) and torch.equal(fin_a, fin_b) and torch.equal(pool_a, pool_b)
-    assert torch.equal(cap_a, cap_pool)
-    if with_capture:  # a capture on the chunk grid is the same carried state as the h row
-        rows = _h_offsets(lengths)
-        assert torch.equal(cap_pool[1], h[0, rows[0] + 1])  # sequence 0 after 64 tokens
-        assert torch.equal(cap_pool[4], fin_b[3])  # offset 64 == len: the final state, not in h
-
-
 def test_batched_without_cu_seqlens_and_padding() -> None:
     """``B > 1`` without ``cu_seqlens``: ``h`` is ``[B, ceil(T / C), ...]``; a padding sequence
     (negative index) keeps zero rows and zero output."""
@@ -150,7 +125,7 @@ def test_batched_without_cu_seqlens_and_padding() -> None:
     pool = torch.zeros(4, HV, V, K)
     pool[:3] = init.transpose(-1, -2)
     idx = torch.tensor([0, -1, 2])
-    o, fin, h = chunk_gated_delta_rule_with_h(q, k, v, g, beta, pool, True, None, False, True, idx)
+    o, fin, h = chunk_gated_delta_rule(q, k, v, g, beta, pool, True, None, False, True, idx)
     assert h.shape == (3, 3, HV, V, K)
     assert not h[1].any() and not o[1].any()
     for b in (0, 2):
@@ -169,31 +144,57 @@ def test_batched_without_cu_seqlens_and_padding() -> None:
 
 def test_empty_batch_and_empty_sequence() -> None:
     q, k, v, g, beta = _inputs(1, 0, seed=0)
-    _, fin, h = chunk_gated_delta_rule_with_h(q, k, v, g, beta, None, True, torch.tensor([0]), False, True)
+    _, fin, h = chunk_gated_delta_rule(q, k, v, g, beta, None, True, torch.tensor([0]), False, True)
     assert fin.shape == (0, HV, V, K) and h.shape == (1, 0, HV, V, K)
     q, k, v, g, beta = _inputs(1, 70, seed=0)
     cu = torch.tensor([0, 0, 70])  # the first sequence is empty: it owns no h row
-    _, _, h = chunk_gated_delta_rule_with_h(q, k, v, g, beta, None, True, cu, False, True)
+    _, _, h = chunk_gated_delta_rule(q, k, v, g, beta, None, True, cu, False, True)
     assert h.shape == (1, 2, HV, V, K) and not h[0, 0].any()
 
 
-def test_shim_wrapper_materialises_h_only_when_asked() -> None:
-    """``sgl_kernel.mamba.chunk_gated_delta_rule_cpu``: ``output_h`` forces ``h`` on or off; the
-    default asks SGLang's published config, and materialises ``h`` when there is none (here)."""
+def test_shim_wrapper_returns_the_ops_h() -> None:
+    """``sgl_kernel.mamba.chunk_gated_delta_rule_cpu`` (what SGLang's ``TritonGDNKernel.extend``
+    calls on the CPU) returns ``(o, final, h)`` of the op, bit for bit, as Triton returns ``h``."""
     mamba = pytest.importorskip("sgl_kernel.mamba")
-    if not hasattr(mamba, "sglang_tracks_prefill_states"):
+    if not hasattr(mamba, "fused_recurrent_gated_delta_rule_update_cpu"):
         pytest.skip("a real sgl_kernel is installed, not the sglang-sparse CPU shim")
-    lengths = [100, 30]
-    qkvgb, cu_seq, pool, work, _ = _packed(lengths, seed=5)
-    q, k, v, g, beta = qkvgb
-    outs = {}
-    for flag in (None, True, False):
-        p = pool.clone()
-        outs[flag] = mamba.chunk_gated_delta_rule_cpu(
-            q, k, v, g, beta, p, cu_seq, False, True, work, output_h=flag
-        )
-    assert outs[False][2] is None and outs[True][2] is not None and outs[None][2] is not None
-    assert mamba.sglang_tracks_prefill_states() is True  # no SGLang config published in this process
-    for flag in (None, False):
-        assert torch.equal(outs[flag][0], outs[True][0]) and torch.equal(outs[flag][1], outs[True][1])
-    assert outs[True][2].shape == (1, 3, HV, V, K)
+    qkvgb, cu_seq, pool, work, _ = _packed([100, 30], seed=5)
+    p1, p2 = pool.clone(), pool.clone()
+    got = mamba.chunk_gated_delta_rule_cpu(*qkvgb, p1, cu_seq, False, True, work)
+    want = chunk_gated_delta_rule(*qkvgb, p2, True, cu_seq, False, True, work)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and torch.equal(p1, p2)
+    assert got[2].shape == (1, 3, HV, V, K)
+
+
+def test_fused_recurrent_update_matches_fp64() -> None:
+    """Varlen sequences from slot-indexed states, in place (padding slot skipped); the output with
+    it, none with ``disable_output_calculation``; the pool untouched with ``disable_state_update``."""
+    lengths = [5, 40, 63]
+    q, k, v, g, beta = _inputs(1, sum(lengths), seed=9)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    pool = torch.randn(6, HV, V, K, generator=torch.Generator().manual_seed(1)) * 0.5
+    idx = torch.tensor([4, -1, 2])
+    before = pool.clone()
+    o = fused_recurrent_gated_delta_rule_update(
+        q, k, v, g, beta, initial_state_source=pool, initial_state_indices=idx, cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    assert o.shape == v.shape and not o[0, 5:45].any()  # the padding sequence: zero output
+    for n, slot in ((0, 4), (2, 2)):
+        lo, hi = int(cu[n]), int(cu[n + 1])
+        want = gdn_states_fp64(k[0, lo:hi], v[0, lo:hi], g[0, lo:hi], beta[0, lo:hi], before[slot], [hi - lo])
+        assert float((pool[slot].double() - want[hi - lo]).abs().max()) < 1e-5, n
+    untouched = [s for s in range(6) if s not in (4, 2)]
+    assert torch.equal(pool[untouched], before[untouched])
+    p2 = before.clone()
+    empty = fused_recurrent_gated_delta_rule_update(
+        q, k, v, g, beta, initial_state_source=p2, initial_state_indices=idx, cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=True, disable_output_calculation=True,
+    )  # fmt: skip
+    assert empty.numel() == 0 and torch.equal(p2, pool)
+    p3 = before.clone()
+    o3 = fused_recurrent_gated_delta_rule_update(
+        q, k, v, g, beta, initial_state_source=p3, initial_state_indices=idx, cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=True, disable_state_update=True,
+    )  # fmt: skip
+    assert torch.equal(p3, before) and torch.equal(o3, o)

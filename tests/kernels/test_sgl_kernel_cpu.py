@@ -193,7 +193,7 @@ def test_chunk_gated_delta_rule(lens, h, hv, dk, dv, chunk):
     slots = torch.arange(n, dtype=torch.int32) * 2 % (n + 3)
     ref_pool = pool.clone()
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    o, finals = chunk_gated_delta_rule(
+    o, finals, _ = chunk_gated_delta_rule(
         q, k, v, gate, beta, pool, True, qsl, False, True, slots, chunk_size=chunk
     )
     rep = hv // h
@@ -218,7 +218,7 @@ def test_chunk_gated_delta_rule_vs_fla_naive(total, hv, dk, dv):
     qn, kn = l2n(q), l2n(k)
     s0 = torch.randn(1, hv, dk, dv) * 0.1  # FLA layout [B, H, K, V]
     pool = s0.transpose(-1, -2).clone()  # ours: [S, HV, V, K]
-    o, _ = chunk_gated_delta_rule(q, k, v, gate, beta, pool, True, None, False, True, None)
+    o, _, _ = chunk_gated_delta_rule(q, k, v, gate, beta, pool, True, None, False, True, None)
     o_rec, s_rec = naive_recurrent_gated_delta_rule(
         qn, kn, v, beta, gate, initial_state=s0.clone(), output_final_state=True
     )
@@ -239,7 +239,7 @@ def test_chunk_gated_delta_rule_skips_padding_index():
     q, k, v, gate, beta = _gdn_inputs(6, 1, 1, 8, 8, seed=1)
     pool = torch.randn(2, 1, 8, 8)
     before = pool.clone()
-    o, _ = chunk_gated_delta_rule(
+    o, _, _ = chunk_gated_delta_rule(
         q, k, v, gate, beta, pool, True, torch.tensor([0, 6]), False, True, torch.tensor([-1])
     )
     assert torch.count_nonzero(o) == 0 and torch.equal(pool, before)
@@ -291,7 +291,7 @@ def test_fused_sigmoid_gating_delta_rule_update_varlen_matches_chunk():
     pool_b = pool_a.clone()
     out = fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, pool_a, idx, qsl, True)
     gg, beta = fused_gdn_gating(A_log, a, b, dt_bias)
-    o_chunk, _ = chunk_gated_delta_rule(q, k, v, gg, beta, pool_b, True, qsl, False, True, idx)
+    o_chunk, _, _ = chunk_gated_delta_rule(q, k, v, gg, beta, pool_b, True, qsl, False, True, idx)
     _record("fused_sigmoid_gating_delta_rule_update_cpu (varlen)", out, o_chunk, tol=5e-5)
     _record("fused_sigmoid_gating_delta_rule_update_cpu (varlen state)", pool_a, pool_b, tol=5e-5)
 

@@ -324,6 +324,38 @@ def test_misconfiguration_fails_at_start(model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--speculative-algorithm", "NEXTN"], "--speculative-algorithm NEXTN is not supported yet"),
+        (["--enable-two-batch-overlap"], "--enable-two-batch-overlap is not supported"),
+    ],
+    ids=["speculative", "two_batch_overlap"],
+)
+def test_unsupported_modes_refused_at_launch(model_dir: Path, flags: list[str], message: str) -> None:
+    """Serving modes the capture does not serve stop ``launch_server`` with one line naming them
+    (exit code 2, before any subprocess)."""
+    srv = SGLangServer(
+        model_dir,
+        extra_args=[*CHUNK, "--radix-cache-backend", "sparse", *flags],
+        context_length=CONTEXT,
+        max_total_tokens=KV_TOKENS,
+        max_mamba_cache_size=STATE_SLOTS,
+    )
+    try:
+        with pytest.raises(ServerError) as exc:
+            srv.start(timeout=300)
+    finally:
+        srv.stop()
+    lines = [
+        ln
+        for ln in srv.log_tail(200_000).splitlines()
+        if ln.startswith("error: --radix-cache-backend sparse")
+    ]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert "exited with code 2" in str(exc.value), exc.value
+
+
+@pytest.mark.parametrize(
     "env,strategy,page,message",
     [
         ({"SGLANG_SPARSE_GAMMA": "2"}, "no_buffer", 1, "SGLANG_SPARSE_GAMMA='2': must be in (0, 1]"),

@@ -100,6 +100,10 @@ def test_forward_capture_makes_no_cut_and_no_extra_forward(runs) -> None:
     assert s["captures_planned"] > 0 and s["captures_dropped"] == 0, s
     assert s["captures_published"] == s["captures_reserved"] == s["captures_planned"], s
     assert s["captures_incomplete"] == 0 and s["captures_pending"] == 0, s
+    # SGLang's own track copies wrote them: h rows of the CPU stand-in of its Triton kernel, and
+    # the page-exact tail-prior positions off the 64-token grid through the recurrent tails.
+    assert s["capture_layout"] == "chunks" and s["capture_tails"] > 0, s
+    assert s["capture_tails"] < s["captures_published"], s  # on-grid ones too
     assert runs["forward"]["forwards"] == runs["native"]["forwards"]
     # Each cut costs one forward at most; a cut can land on a boundary the chunked prefill makes
     # anyway, and the cut path's deeper hits can save a chunk elsewhere, so this is a bound.
@@ -172,7 +176,7 @@ def test_capture_slot_lifecycle_storm_with_aborts(model_dir: Path) -> None:
 def test_capture_option_validation() -> None:
     from sglang_sparse.sglang_adapter.config import SparseConfig, SparseConfigError
 
-    assert SparseConfig.from_env({}).capture == "forward"
+    assert SparseConfig.from_env({}).capture is None  # auto: resolve_capture
     assert SparseConfig.from_env({"SGLANG_SPARSE_CAPTURE": " Cut "}).capture == "cut"
     with pytest.raises(SparseConfigError, match=r"SGLANG_SPARSE_CAPTURE='kernel': unknown capture mode"):
         SparseConfig.from_env({"SGLANG_SPARSE_CAPTURE": "kernel"})
@@ -222,17 +226,30 @@ def _bare_capture_cache(reject: set[int] = frozenset()):
     return cache
 
 
+def _plan(positions: list[int], slots: list[int], *, started: bool, layers_done: int):
+    """A 2-layer capture plan: attached to a forward (``started``) whose copies ran in
+    ``layers_done`` layers (2: complete)."""
+    import types
+
+    from sglang_sparse.sglang_adapter.track_capture import CapturePlan
+
+    plan = CapturePlan(
+        rows=[0] * len(slots), offsets=list(positions), slots=list(slots), geometry={0: (0, 512)}, n_layers=2
+    )
+    if started:
+        plan.lists = types.SimpleNamespace(metadata=object())
+        plan.copies_done = layers_done
+    return plan
+
+
 def _pending(cache, rid: str, positions: list[int], slots: list[int], complete: bool = True, plan=None):
     """Pending captures of ``rid`` on ``plan`` (a new one by default: complete, or not started)."""
     import torch
 
-    from sglang_sparse.sglang_adapter.capture import CapturePlan, _Pending
+    from sglang_sparse.sglang_adapter.capture import _Pending
 
     if plan is None:
-        plan = CapturePlan(rows=[0] * len(slots), offsets=list(positions), slots=list(slots), n_layers=2)
-        if complete:
-            plan.conv_layers |= {0, 1}
-            plan.ssm_layers |= {0, 1}
+        plan = _plan(positions, slots, started=complete, layers_done=2 if complete else 0)
     cache._capture_pending.setdefault(rid, []).extend(
         _Pending(p, torch.tensor([s]), plan) for p, s in zip(positions, slots, strict=True)
     )
@@ -318,9 +335,8 @@ def test_sglang_allocation_reclaims_pending_capture_slots(monkeypatch: pytest.Mo
     that did not complete is left to its checkpoint; never more than the shortfall."""
     import types
 
-    from sglang_sparse.sglang_adapter import capture
+    from sglang_sparse.sglang_adapter import capture, track_capture
     from sglang_sparse.sglang_adapter.cache import SparseRadixCache
-    from sglang_sparse.sglang_adapter.capture import CapturePlan
 
     tree_frees = [2, 0]  # what SGLang's own eviction frees, call by call
 
@@ -333,8 +349,7 @@ def test_sglang_allocation_reclaims_pending_capture_slots(monkeypatch: pytest.Mo
     alloc.free_n = 1
     _pending(cache, "a", [64, 192], [3, 4])  # a forward that ran: complete
     unstarted = _pending(cache, "b", [128, 320], [7, 8], complete=False)  # its forward is next
-    started = CapturePlan(rows=[0], offsets=[256], slots=[9], n_layers=2)
-    started.conv_layers.add(0)  # began and did not complete: the checkpoint frees it
+    started = _plan([256], [9], started=True, layers_done=1)  # began, did not complete: freed at checkpoint
     _pending(cache, "c", [256], [9], plan=started)
 
     cache.evict_for_alloc(types.SimpleNamespace(mamba_num=2))  # the tree's eviction suffices
@@ -352,6 +367,6 @@ def test_sglang_allocation_reclaims_pending_capture_slots(monkeypatch: pytest.Mo
     # a plan left without captures runs as no plan
     batch = types.SimpleNamespace(sparse_capture=unstarted)
     capture._init_new_hook(None, None, batch)
-    assert capture.forward_plan() is None and not hasattr(batch, "sparse_capture")
+    assert track_capture.forward_plan() is None and not hasattr(batch, "sparse_capture")
     assert cache.reclaim_capture_slots(5) == 1 and alloc.freed[-1] == 3  # "c" stays
     assert list(cache._capture_pending) == ["c"]

@@ -63,12 +63,14 @@ CHECK_ENV = {
 
 
 def patterns(srv: SGLangServer | NoCacheReference) -> dict[str, list]:
-    """Every sequential pattern; returns outputs and cached tokens, in order."""
+    """Every sequential pattern; returns prompts, outputs and cached tokens, in order."""
+    prompts: list[list[int]] = []
     outs: list[list[int]] = []
     cached: list[int] = []
 
     def go(p: list[int], n: int = NEW) -> list[int]:
         r = srv.generate(p, n)
+        prompts.append(p)
         outs.append(r.output_ids)
         cached.append(r.cached_tokens)
         return r.output_ids
@@ -82,7 +84,7 @@ def patterns(srv: SGLangServer | NoCacheReference) -> dict[str, list]:
     for turn in range(3):
         out = go(prompt, 16)
         prompt = prompt + out + toks(30, 400 + turn)
-    return {"outputs": outs, "cached": cached}
+    return {"prompts": prompts, "outputs": outs, "cached": cached}
 
 
 def _server(model_dir: Path, extra: list[str], *, env: dict | None = None, **kw: Any) -> SGLangServer:
@@ -136,6 +138,7 @@ def runs(request: pytest.FixtureRequest, model_dir: Path) -> dict[str, Any]:
             out[name]["log"] = srv.log_tail(2_000_000)
         finally:
             srv.stop()
+    out["prompts"] = out["sparse"]["prompts"]
     return out
 
 
@@ -172,6 +175,14 @@ def test_sparse_on_extra_buffer_reuses_and_leaks_nothing(runs: dict) -> None:
     log = sp["log"]
     assert "mamba strategy extra_buffer" in log and "overlap schedule on" in log
     assert "leaked_mamba_pages={" not in log and "Traceback" not in log
+    # In-forward capture through SGLang's track copies: no cut, and no forward beyond the chunks the
+    # prefilled tokens need (requests are sequential: one prefill batch per 256-token chunk).
+    assert s["cuts_applied"] == 0 and s["capture_mode"] == "forward" and s["capture_layout"] == "chunks", s
+    prompts = [len(p) for p in runs["prompts"]]
+    need = sum(-(-(n - c) // 256) for n, c in zip(prompts, sp["cached"], strict=True))
+    forwards = {name: runs[name]["log"].count("Prefill batch") for name in ("sparse", "native_eb")}
+    print(f"page {page} prefill forwards {forwards}, sparse needs {need}")
+    assert forwards["sparse"] == need <= forwards["native_eb"], forwards
 
 
 STORM = 500
@@ -195,7 +206,8 @@ def test_storm_with_aborts_no_leak_tokens_identical(model_dir: Path, nocache: No
         assert s["kv_protected"] == 0 and s["mamba_protected"] == 0, s
         assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
         assert s["kv_available"] + s["kv_evictable"] == s["kv_pool_size"], s
-        assert s["captures_pending"] == 0, s
+        assert s["captures_pending"] == 0 and s["captures_incomplete"] == 0, s
+        assert s["captures_published"] > 0 and s["cuts_applied"] == 0, s
         assert_one_tree(s)
         log = srv.log_tail(5_000_000)
         assert "leaked_mamba_pages={" not in log and "Traceback" not in log
@@ -209,10 +221,11 @@ def test_storm_with_aborts_no_leak_tokens_identical(model_dir: Path, nocache: No
 
 
 def test_chunk_cut_capture_on_extra_buffer(model_dir: Path, reference: dict) -> None:
-    """The capture path a GPU runs today (``SGLANG_SPARSE_CAPTURE=cut``: a planned position inside
-    a prefill ends the chunk there, and SGLang's own extra_buffer snapshot at the chunk end is the
-    state), at page 16 with the overlap schedule: tokens identical to no cache, cuts made, the
-    mirror exact, nothing leaked."""
+    """The chunk-cut path (``SGLANG_SPARSE_CAPTURE=cut``, auto only with a prefill kernel without
+    per-chunk states or HiCache write-back: a planned position inside a prefill ends the chunk
+    there, and SGLang's own extra_buffer snapshot at the chunk end is the state), at page 16 with
+    the overlap schedule: tokens identical to no cache, cuts made, the mirror exact, nothing
+    leaked."""
     srv = _server(model_dir, ["--page-size", "16", *SPARSE], env={"SGLANG_SPARSE_CAPTURE": "cut"})
     try:
         got = patterns(srv)

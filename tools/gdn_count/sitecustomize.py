@@ -1,5 +1,5 @@
 """Count what reaches the CPU GDN prefill op in every process of a server (sequences, tokens,
-64-token chunks, padding, captured states). Opt-in, for measurement only::
+64-token chunks, padding). Opt-in, for measurement only::
 
     GDN_COUNT_OUT=/tmp/c/gdn PYTHONPATH=tools/gdn_count python -m benchmarks.serving_load ...
 
@@ -21,12 +21,12 @@ OUT = os.environ.get("GDN_COUNT_OUT")
 def _install(out: str) -> None:
     from sglang_sparse_kernels.sgl_kernel_cpu import delta_rule
 
-    orig = delta_rule._chunk_gated_delta_rule
-    stats = {"calls": 0, "seqs": 0, "tokens": 0, "chunks": 0, "pad": 0, "captures": 0, "cap_mid": 0}
+    orig = delta_rule.chunk_gated_delta_rule
+    stats = {"calls": 0, "seqs": 0, "tokens": 0, "chunks": 0, "pad": 0}
 
-    def counted(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, head_first,
-                use_qk_l2norm_in_kernel, initial_state_indices, scale, chunk_size, capture,
-                *, output_h) -> Any:  # fmt: skip
+    def counted(q, k, v, g, beta, initial_state, output_final_state=True, cu_seqlens=None, head_first=False,
+                use_qk_l2norm_in_kernel=False, initial_state_indices=None, scale=None,
+                chunk_size=delta_rule.DEFAULT_CHUNK) -> Any:  # fmt: skip
         if cu_seqlens is not None:
             b = [int(x) for x in cu_seqlens.tolist()]
             lens = [b[i + 1] - b[i] for i in range(len(b) - 1)]
@@ -41,16 +41,11 @@ def _install(out: str) -> None:
             stats["tokens"] += n_tok
             stats["chunks"] += n
             stats["pad"] += n * chunk_size - n_tok
-        if capture[1] is not None:
-            offs = [int(x) for x in capture[1].tolist()]
-            stats["captures"] += len(offs)
-            stats["cap_mid"] += sum(1 for o in offs if o % chunk_size)
         stats["calls"] += 1
         return orig(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, head_first,
-                    use_qk_l2norm_in_kernel, initial_state_indices, scale, chunk_size, capture,
-                    output_h=output_h)  # fmt: skip
+                    use_qk_l2norm_in_kernel, initial_state_indices, scale, chunk_size)  # fmt: skip
 
-    delta_rule._chunk_gated_delta_rule = counted
+    delta_rule.chunk_gated_delta_rule = counted
 
     def dump() -> None:
         with open(f"{out}.{os.getpid()}.json", "w") as f:

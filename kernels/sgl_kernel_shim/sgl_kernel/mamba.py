@@ -68,24 +68,6 @@ def causal_conv1d_update_cpu(
     )
 
 
-def sglang_tracks_prefill_states() -> bool:
-    """Whether SGLang may read the per-chunk states ``h`` of a prefill in this process.
-
-    SGLang reads ``h`` only in ``_track_mamba_state_extend``
-    (``srt/layers/attention/hybrid_linear_attn_backend.py``), which runs only for the
-    ``extra_buffer`` / ``extra_buffer_lazy`` Mamba radix-cache strategies (the derived flag
-    ``get_exec().mamba.enable_mamba_extra_buffer``, fixed once the server arguments are published).
-    When that configuration cannot be read (not inside an SGLang worker, or another SGLang version)
-    the answer is True: materialising ``h`` is always correct, only slower.
-    """
-    try:
-        from sglang.srt.runtime_context import get_exec
-
-        return bool(get_exec().mamba.enable_mamba_extra_buffer)
-    except Exception:  # noqa: BLE001 - any failure means "unknown": be correct, not fast
-        return True
-
-
 def chunk_gated_delta_rule_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -98,24 +80,34 @@ def chunk_gated_delta_rule_cpu(
     use_qk_l2norm_in_kernel: bool = False,
     initial_state_indices: torch.Tensor | None = None,
     scale: float | None = None,
-    output_h: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Prefill delta rule; returns ``(o, final_states, h)``.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Prefill delta rule; returns ``(o, final_states, h)`` like SGLang's Triton kernel, ``h`` the
+    per-chunk states SGLang's prefill track copies index (layout and row convention:
+    :func:`sglang_sparse_kernels.sgl_kernel_cpu.delta_rule.chunk_gated_delta_rule`)."""
+    return delta_rule.chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        True,
+        cu_seqlens,
+        head_first,
+        use_qk_l2norm_in_kernel,
+        initial_state_indices,
+        scale=scale,
+    )
 
-    ``h`` (``[1, NT, HV, V, K]`` fp32, ``NT = sum_n ceil(len_n / 64)``; row ``c`` of sequence ``n``
-    is its state before chunk ``c``; see
-    :func:`sglang_sparse_kernels.sgl_kernel_cpu.delta_rule.chunk_gated_delta_rule_with_h`) is what
-    SGLang's extra_buffer strategy indexes to snapshot prefill states. ``output_h``: True/False
-    forces it on/off; None (SGLang's call) materialises it only when
-    :func:`sglang_tracks_prefill_states`, else ``h`` is None (as before). ``o`` and the final
-    states are identical either way.
-    """
-    want_h = sglang_tracks_prefill_states() if output_h is None else output_h
-    args = (q, k, v, g, beta, initial_state, True, cu_seqlens, head_first, use_qk_l2norm_in_kernel)
-    if want_h:
-        return delta_rule.chunk_gated_delta_rule_with_h(*args, initial_state_indices, scale=scale)
-    o, final = delta_rule.chunk_gated_delta_rule(*args, initial_state_indices, scale=scale)
-    return o, final, None
+
+def fused_recurrent_gated_delta_rule_update_cpu(**kwargs: Any) -> torch.Tensor:
+    """SGLang's ``fused_recurrent_gated_delta_rule_update`` (keyword arguments) on the CPU; the
+    speculative-decoding arguments are not supported."""
+    for extra in ("intermediate_states_buffer", "intermediate_state_indices", "retrieve_parent_token"):
+        if kwargs.pop(extra, None) is not None:
+            raise NotImplementedError(f"sgl_kernel CPU shim: {extra} is not supported")
+    kwargs.pop("cache_steps", None)
+    return delta_rule.fused_recurrent_gated_delta_rule_update(**kwargs)
 
 
 def fused_sigmoid_gating_delta_rule_update_cpu(**kwargs: Any) -> torch.Tensor:

@@ -21,12 +21,15 @@ nothing overflows.
 Shapes: ``T`` packed tokens, ``N`` sequences, ``H`` query/key heads, ``HV`` value heads, ``K``/``V``
 head dims, ``S`` pool slots. All arithmetic is fp32.
 
-Per-chunk states ``h`` (:func:`chunk_gated_delta_rule_with_h`) follow FLA's / SGLang's Triton
-``chunk_gated_delta_rule_fwd_h`` convention: sequence ``n`` owns ``ceil(len_n / C)`` consecutive rows
-starting at ``sum_{m<n} ceil(len_m / C)`` (packed input) or row 0 of its batch entry (``B > 1``), and
-its row ``c`` holds the state BEFORE chunk ``c`` (row 0 = the initial state; the final state is not
-in ``h``). They are the very states the chunk loop carries, so ``o`` and the final states do not
-depend on whether ``h`` is requested.
+Per-chunk states ``h`` (returned by :func:`chunk_gated_delta_rule`, as SGLang's Triton kernel
+returns them) follow FLA's / SGLang's ``chunk_gated_delta_rule_fwd_h`` convention: sequence ``n`` owns
+``ceil(len_n / C)`` consecutive rows starting at ``sum_{m<n} ceil(len_m / C)`` (packed input) or row 0
+of its batch entry (``B > 1``), and its row ``c`` holds the state BEFORE chunk ``c`` (row 0 = the
+initial state; the final state is not in ``h``). They are the very states the chunk loop carries.
+
+:func:`fused_recurrent_gated_delta_rule_update` runs the recurrence token by token on slot-indexed
+states in place (SGLang's kernel of that name: decode, and the ``< 64``-token tails that advance an
+``h`` row to an off-grid capture position, ``sglang_sparse.sglang_adapter.capture``).
 """
 
 from __future__ import annotations
@@ -84,25 +87,18 @@ def _chunk_one(
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk: int = DEFAULT_CHUNK,
-    capture: list[int] | None = None,
     h_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, head-major fp32 inputs.
 
     Args:
         q, k: ``[HV, L, K]`` (already normalised/scaled/expanded); v: ``[HV, L, V]``;
         g, beta: ``[HV, L]``; state: ``[HV, K, V]`` initial state (``K x V`` layout).
-        capture: token counts ``p`` (``0 <= p <= L``, any order) whose states to return too.
-            ``p % chunk == 0``: the carried inter-chunk state (before chunk ``p // chunk``, or the
-            final state); otherwise the state before chunk ``c = p // chunk`` advanced by the
-            ``r = p % chunk`` remaining tokens with the chunk's own (causal, hence exact) WY rows:
-            ``S_p = e^{gam_{r-1}} S_c + sum_{i<r} e^{gam_{r-1} - gam_i} k_i u_i^T``.
         h_out: optional ``[ceil(L / chunk), HV, K, V]`` destination; row ``c`` receives the carried
             state before chunk ``c`` (a plain copy: the returned values do not depend on it).
 
     Returns:
-        ``(o [HV, L, V], final_state [HV, K, V])``, plus the list of captured ``[HV, K, V]`` fp32
-        states (in the order of ``capture``) when ``capture`` is given.
+        ``(o [HV, L, V], final_state [HV, K, V])``.
     """
     hv, length, dk = k.shape
     dv = v.shape[-1]
@@ -137,35 +133,14 @@ def _chunk_one(
     chunk_decay = torch.exp(gam[..., -1])  # [HV, n]
 
     out = torch.empty(hv, n, chunk, dv, dtype=q.dtype, device=q.device)
-    want: dict[int, list[int]] = {}  # chunk index -> capture list indices starting in it
-    for j, p in enumerate(capture or ()):
-        if not 0 <= p <= length:
-            raise ValueError(f"capture offset {p} outside [0, {length}]")
-        want.setdefault(p // chunk, []).append(j)
-    got: list[torch.Tensor | None] = [None] * len(capture or ())
     s = state
-    for i in range(n + 1):
-        for j in want.get(i, ()):
-            r = capture[j] % chunk  # type: ignore[index]
-            if r == 0:
-                got[j] = s.clone()
-            else:  # r < chunk tokens into chunk i (< n: capture <= length)
-                u = u_const[:, i, :r] - u_state[:, i, :r] @ s  # [HV, r, V], exact (causal rows)
-                g_i = gam[:, i, :r]
-                decay = torch.exp(g_i[:, -1:] - g_i).unsqueeze(-1)  # [HV, r, 1]
-                kd = (k[:, i, :r] * decay).transpose(-1, -2)  # [HV, K, r]
-                got[j] = s * torch.exp(g_i[:, -1])[:, None, None] + kd @ u
-        if i == n:
-            break
+    for i in range(n):
         if h_out is not None:
             h_out[i].copy_(s)
         u = u_const[:, i] - u_state[:, i] @ s  # [HV, C, V]
         out[:, i] = q_decay[:, i] @ s + qk[:, i] @ u
         s = s * chunk_decay[:, i, None, None] + k_tail[:, i].transpose(-1, -2) @ u
-    o = out.reshape(hv, n * chunk, dv)[:, :length]
-    if capture is None:
-        return o, s
-    return o, s, [t for t in got if t is not None]
+    return out.reshape(hv, n * chunk, dv)[:, :length], s
 
 
 def chunk_gated_delta_rule(
@@ -182,12 +157,8 @@ def chunk_gated_delta_rule(
     initial_state_indices: torch.Tensor | None = None,
     scale: float | None = None,
     chunk_size: int = DEFAULT_CHUNK,
-    capture_cu: torch.Tensor | None = None,
-    capture_offsets: torch.Tensor | None = None,
-    capture_slots: torch.Tensor | None = None,
-    capture_pool: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Prefill (``chunk_gated_delta_rule_cpu``), optionally capturing intermediate states.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Prefill (``chunk_gated_delta_rule_cpu``): SGLang's Triton ``chunk_gated_delta_rule`` on the CPU.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g (log decay), beta: ``[B, T, HV]``.
@@ -196,120 +167,20 @@ def chunk_gated_delta_rule(
             default ``arange(N)``) and overwritten in place with the final states. Negative indices
             mark padding sequences (skipped, zero output). None: start from zeros, no write-back.
         head_first: must be False.
-        capture_cu, capture_offsets, capture_slots, capture_pool: list capture (CSR, all or none).
-            ``capture_cu [N + 1]`` (int, non-decreasing, ``capture_cu[0] == 0``) splits
-            ``capture_offsets``/``capture_slots`` (``[P]``) by sequence; entry ``j`` of sequence
-            ``n`` writes the state after the first ``capture_offsets[j]`` tokens of ``n``
-            (``0 <= offset <= len_n``; 0 = the initial state, ``len_n`` = the final one) into
-            ``capture_pool[capture_slots[j]]`` (``[S', HV, V, K]``, the pool's layout, cast to its
-            dtype; may be ``initial_state`` itself). Slots must differ from every slot read by the
-            call (a capture never overwrites an input state). Offsets on the ``chunk_size`` grid
-            come from the chunk loop; off-grid ones advance the carried state by the ``< chunk_size``
-            remaining tokens. Captures of padding sequences (negative index) are skipped.
 
     Returns:
-        ``(o [B, T, HV, V] in v.dtype, final states [N, HV, V, K] fp32 or None)``.
-        :func:`chunk_gated_delta_rule_with_h` also returns the per-chunk states.
+        ``(o [B, T, HV, V] in v.dtype, final states [N, HV, V, K] fp32 or None, h)``. ``h`` holds the
+        per-chunk states in the layout of SGLang's Triton kernel (``chunk_gated_delta_rule_fwd_h``),
+        which SGLang's prefill track copies index (``ssm[dst] = h.squeeze(0)[src]``): fp32
+        ``[B, NT, HV, V, K]`` with ``NT = sum_n ceil(len_n / chunk_size)`` for packed input
+        (``B == 1``; sequence ``n``'s rows start at ``sum_{m<n} ceil(len_m / chunk_size)``), else
+        ``ceil(T / chunk_size)``; ``h[b, row0_n + c]`` is the state of sequence ``n`` before its
+        chunk ``c`` (``c = 0``: the initial state; the final state is not in ``h``). Rows of padding
+        sequences are zero. ``h`` is a transposed view of a contiguous ``[B, NT, HV, K, V]`` buffer
+        (the chunk loop's own layout: one contiguous copy per row): gather rows from it rather than
+        ``.view()`` it. Triton stores ``h`` in ``k.dtype``; here it stays fp32 and the caller rounds
+        once to the pool dtype.
     """
-    o, finals, _ = _chunk_gated_delta_rule(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state,
-        output_final_state,
-        cu_seqlens,
-        head_first,
-        use_qk_l2norm_in_kernel,
-        initial_state_indices,
-        scale,
-        chunk_size,
-        (capture_cu, capture_offsets, capture_slots, capture_pool),
-        output_h=False,
-    )
-    return o, finals
-
-
-def chunk_gated_delta_rule_with_h(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool = True,
-    cu_seqlens: torch.Tensor | None = None,
-    head_first: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    initial_state_indices: torch.Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = DEFAULT_CHUNK,
-    capture_cu: torch.Tensor | None = None,
-    capture_offsets: torch.Tensor | None = None,
-    capture_slots: torch.Tensor | None = None,
-    capture_pool: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """:func:`chunk_gated_delta_rule` plus the per-chunk states ``h`` SGLang's Triton path returns.
-
-    Same arguments, side effects, ``o`` and final states (bit for bit) as
-    :func:`chunk_gated_delta_rule`; the list-capture arguments work unchanged.
-
-    Returns:
-        ``(o, final states, h)`` with ``h`` fp32 of shape ``[B, NT, HV, V, K]`` (the pool's V-first
-        layout, like Triton's ``chunk_gated_delta_rule_fwd_h``): ``NT = sum_n ceil(len_n /
-        chunk_size)`` for packed input (``B == 1``; sequence ``n``'s rows start at ``sum_{m<n}
-        ceil(len_m / chunk_size)``), else ``ceil(T / chunk_size)``; ``h[b, row0_n + c]`` is the
-        state of sequence ``n`` before its chunk ``c`` (``c = 0``: the initial state). Rows of
-        padding sequences (negative state index) are zero. ``h`` is a transposed view of a
-        contiguous ``[B, NT, HV, K, V]`` buffer (the chunk loop's own layout, so each row costs one
-        contiguous copy): gather rows from it (``h.squeeze(0)[rows]``, as SGLang's
-        ``_track_mamba_state_extend`` does) rather than ``.view()``-ing it. Triton stores ``h`` in
-        ``k.dtype``; here it stays fp32, the caller rounds once to the pool dtype.
-    """
-    o, finals, h = _chunk_gated_delta_rule(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state,
-        output_final_state,
-        cu_seqlens,
-        head_first,
-        use_qk_l2norm_in_kernel,
-        initial_state_indices,
-        scale,
-        chunk_size,
-        (capture_cu, capture_offsets, capture_slots, capture_pool),
-        output_h=True,
-    )
-    assert h is not None
-    return o, finals, h
-
-
-def _chunk_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    cu_seqlens: torch.Tensor | None,
-    head_first: bool,
-    use_qk_l2norm_in_kernel: bool,
-    initial_state_indices: torch.Tensor | None,
-    scale: float | None,
-    chunk_size: int,
-    capture: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-    *,
-    output_h: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Shared body of :func:`chunk_gated_delta_rule` and :func:`chunk_gated_delta_rule_with_h`
-    (``capture`` = ``(capture_cu, capture_offsets, capture_slots, capture_pool)``); ``h`` is None
-    unless ``output_h``."""
-    capture_cu, capture_offsets, capture_slots, capture_pool = capture
     if head_first:
         raise NotImplementedError("head_first=True is not supported")
     bsz, total, _, dk = q.shape
@@ -331,76 +202,44 @@ def _chunk_gated_delta_rule(
         slots = [int(x) for x in initial_state_indices.tolist()]
         if len(slots) != n_seq:
             raise ValueError(f"{len(slots)} state indices for {n_seq} sequences")
-    caps: list[list[tuple[int, int]]] = [[] for _ in range(n_seq)]
-    given = [t is not None for t in (capture_cu, capture_offsets, capture_slots, capture_pool)]
-    if any(given):
-        if not all(given):
-            raise ValueError("capture_cu, capture_offsets, capture_slots and capture_pool go together")
-        cu = [int(x) for x in capture_cu.tolist()]  # type: ignore[union-attr]
-        offs = [int(x) for x in capture_offsets.tolist()]  # type: ignore[union-attr]
-        dsts = [int(x) for x in capture_slots.tolist()]  # type: ignore[union-attr]
-        if len(cu) != n_seq + 1 or cu[0] != 0 or cu[-1] != len(offs) or len(offs) != len(dsts):
-            raise ValueError(
-                f"capture CSR: cu {cu} for {n_seq} sequences, {len(offs)} offsets, {len(dsts)} slots"
-            )
-        for i in range(n_seq):
-            if cu[i + 1] < cu[i]:
-                raise ValueError(f"capture_cu not non-decreasing: {cu}")
-            caps[i] = list(zip(offs[cu[i] : cu[i + 1]], dsts[cu[i] : cu[i + 1]], strict=True))
     # h rows: sequence i owns ceil(len_i / C) rows from h_row0[i] (packed) or 0 (batched).
     n_chunks = [-(-(hi - lo) // chunk_size) for _, lo, hi in segs]
     h_row0 = [0] * n_seq
     if cu_seqlens is not None:
         for i in range(1, n_seq):
             h_row0[i] = h_row0[i - 1] + n_chunks[i - 1]
-    h_kv: torch.Tensor | None = None
-    if output_h:
-        nt = (h_row0[-1] + n_chunks[-1]) if cu_seqlens is not None and n_seq else max(n_chunks, default=0)
-        # empty, not zeros: every row is written below (padding sequences' rows zeroed there), so a
-        # zero fill would only add a pass over a buffer of ceil(T / C) states.
-        h_kv = torch.empty(bsz, nt, hv, dk, dv, dtype=torch.float32, device=v.device)
+    nt = (h_row0[-1] + n_chunks[-1]) if cu_seqlens is not None and n_seq else max(n_chunks, default=0)
+    # empty, not zeros: every row is written below (padding sequences' rows zeroed there), so a zero
+    # fill would only add a pass over a buffer of ceil(T / C) states.
+    h_kv = torch.empty(bsz, nt, hv, dk, dv, dtype=torch.float32, device=v.device)
     out = torch.zeros(bsz, total, hv, dv, dtype=torch.float32, device=v.device)
     finals = torch.zeros(n_seq, hv, dv, dk, dtype=torch.float32, device=v.device)
     for i, (b, lo, hi) in enumerate(segs):
         slot = slots[i]
+        rows = h_kv[b, h_row0[i] : h_row0[i] + n_chunks[i]]
         if slot < 0:
-            if h_kv is not None:
-                h_kv[b, h_row0[i] : h_row0[i] + n_chunks[i]] = 0.0
+            rows.zero_()
             continue
         if initial_state is None:
-            s0 = torch.zeros(hv, dk, dv, dtype=torch.float32, device=v.device)
+            s = torch.zeros(hv, dk, dv, dtype=torch.float32, device=v.device)
         else:
-            s0 = initial_state[slot].float().transpose(-1, -2)
-        offsets = [p for p, _ in caps[i]]
-        captured: list[torch.Tensor] = []
+            s = initial_state[slot].float().transpose(-1, -2)
         if hi > lo:
-            res = _chunk_one(
+            o, s = _chunk_one(
                 qf[b, lo:hi].transpose(0, 1),
                 kf[b, lo:hi].transpose(0, 1),
                 vf[b, lo:hi].transpose(0, 1),
                 gf[b, lo:hi].transpose(0, 1),
                 bf[b, lo:hi].transpose(0, 1),
-                s0,
+                s,
                 chunk=chunk_size,
-                capture=offsets if offsets else None,
-                h_out=None if h_kv is None else h_kv[b, h_row0[i] : h_row0[i] + n_chunks[i]],
+                h_out=rows,
             )
-            o, s = res[0], res[1]
-            if offsets:
-                captured = res[2]  # type: ignore[misc]
             out[b, lo:hi] = o.transpose(0, 1)
-        else:
-            s = s0
-            if any(p != 0 for p in offsets):
-                raise ValueError(f"capture offsets {offsets} in an empty sequence")
-            captured = [s0 for _ in offsets]
-        for (_, dst), st in zip(caps[i], captured, strict=True):
-            capture_pool[dst] = st.transpose(-1, -2).to(capture_pool.dtype)  # type: ignore[index]
         finals[i] = s.transpose(-1, -2)
         if initial_state is not None:
             initial_state[slot] = finals[i].to(initial_state.dtype)
-    h = None if h_kv is None else h_kv.transpose(-1, -2)
-    return out.to(v.dtype), (finals if output_final_state else None), h
+    return out.to(v.dtype), (finals if output_final_state else None), h_kv.transpose(-1, -2)
 
 
 def _recurrent_steps(
@@ -445,63 +284,110 @@ def fused_sigmoid_gating_delta_rule_update(
 ) -> torch.Tensor:
     """Decode (``fused_sigmoid_gating_delta_rule_update_cpu``): gates + recurrent update in one call.
 
+    ``a, b``: ``[T, HV]`` (or ``[1, T, HV]``) raw gate inputs, turned into ``g``/``beta`` as in
+    :func:`sglang_sparse_kernels.sgl_kernel_cpu.gating.gdn_gates`; everything else as
+    :func:`fused_recurrent_gated_delta_rule_update`. Returns ``o: [1, T, HV, V]`` in ``v.dtype``.
+    """
+    total, hv = v.shape[-3], v.shape[-2]
+    g, beta = gdn_gates(
+        A_log, a.reshape(total, hv), b.reshape(total, hv), dt_bias, softplus_beta, softplus_threshold
+    )
+    return fused_recurrent_gated_delta_rule_update(
+        q,
+        k,
+        v,
+        g.reshape(1, total, hv),
+        beta.reshape(1, total, hv),
+        scale=scale,
+        initial_state_source=initial_state_source,
+        initial_state_indices=initial_state_indices,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
+
+
+def fused_recurrent_gated_delta_rule_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state_source: torch.Tensor | None = None,
+    initial_state_indices: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    disable_state_update: bool = False,
+    disable_output_calculation: bool = False,
+) -> torch.Tensor:
+    """Token-by-token gated delta rule over packed sequences with slot-indexed states, in place:
+    SGLang's ``fused_recurrent_gated_delta_rule_update`` (``sglang/kernels/ops/attention/fla/
+    fused_recurrent.py``, the keyword arguments it takes without speculative decoding) on the CPU.
+
     Args:
-        q, k: ``[1, T, H, K]``; v: ``[1, T, HV, V]``; a, b: ``[T, HV]`` (or ``[1, T, HV]``) raw gate
-            inputs, turned into ``g``/``beta`` as in
-            :func:`sglang_sparse_kernels.sgl_kernel_cpu.gating.gdn_gates`.
-        initial_state_source: state pool ``[S, HV, V, K]``, updated in place.
-        initial_state_indices: ``[N]`` slots; negative = padding (skipped, zero output).
+        q, k: ``[1, T, H, K]``; v: ``[1, T, HV, V]``; g (log decay), beta: ``[1, T, HV]`` (beta
+            None: ones).
+        initial_state_source: state pool ``[S, HV, V, K]``, read at ``initial_state_indices``
+            (``[N]``; negative = padding, skipped) and, unless ``disable_state_update``, overwritten
+            with the state after each sequence, in the pool's dtype.
         cu_seqlens: ``[N + 1]`` token offsets (None: one token per sequence).
+        disable_output_calculation: return an empty tensor instead of the outputs (the state update
+            alone; its cost is the same here, the output is a by-product of the recurrence).
 
     Returns:
-        ``o: [1, T, HV, V]`` in ``v.dtype``.
+        ``o: [1, T, HV, V]`` in ``v.dtype`` (empty with ``disable_output_calculation``).
     """
     total, hv, dv = v.shape[-3], v.shape[-2], v.shape[-1]
     dk = q.shape[-1]
     scale = dk**-0.5 if scale is None else scale
     qf, kf = _prep_qk(q.reshape(total, -1, dk), k.reshape(total, -1, dk), hv, use_qk_l2norm_in_kernel, scale)
     vf = v.reshape(total, hv, dv).float()
-    g, beta = gdn_gates(
-        A_log, a.reshape(total, hv), b.reshape(total, hv), dt_bias, softplus_beta, softplus_threshold
-    )
+    gf = g.reshape(total, hv).float()
+    bf = torch.ones_like(gf) if beta is None else beta.reshape(total, hv).float()
     if cu_seqlens is None:
         bounds = list(range(total + 1))
     else:
         bounds = [int(x) for x in cu_seqlens.tolist()]
     n_seq = len(bounds) - 1
+    pool = initial_state_source
+    if pool is None:
+        raise ValueError("initial_state_source (the state pool) is required")
     idx = initial_state_indices.to(torch.long).reshape(-1)[:n_seq]
     lengths = {bounds[i + 1] - bounds[i] for i in range(n_seq)}
     out = torch.zeros(total, hv, dv, dtype=torch.float32, device=v.device)
     valid = idx >= 0
-    pool = initial_state_source
     if len(lengths) == 1 and bounds[0] == 0 and bounds[-1] == total:
         # Equal lengths (decode: all 1): vectorise across sequences.
         length = lengths.pop()
         if length > 0 and bool(valid.any()):
             shape = (n_seq, length)
-            o, s = _recurrent_steps(
+            o, st = _recurrent_steps(
                 qf.view(*shape, hv, dk)[valid],
                 kf.view(*shape, hv, dk)[valid],
                 vf.view(*shape, hv, dv)[valid],
-                g.view(*shape, hv)[valid],
-                beta.view(*shape, hv)[valid],
+                gf.view(*shape, hv)[valid],
+                bf.view(*shape, hv)[valid],
                 pool[idx[valid]].float(),
             )
             out.view(*shape, hv, dv)[valid] = o
-            pool[idx[valid]] = s.to(pool.dtype)
+            if not disable_state_update:
+                pool[idx[valid]] = st.to(pool.dtype)
     else:
         for i in range(n_seq):
             lo, hi, slot = bounds[i], bounds[i + 1], int(idx[i])
             if slot < 0 or hi <= lo:
                 continue
-            o, s = _recurrent_steps(
+            o, st = _recurrent_steps(
                 qf[None, lo:hi],
                 kf[None, lo:hi],
                 vf[None, lo:hi],
-                g[None, lo:hi],
-                beta[None, lo:hi],
+                gf[None, lo:hi],
+                bf[None, lo:hi],
                 pool[slot].float()[None],
             )
             out[lo:hi] = o[0]
-            pool[slot] = s[0].to(pool.dtype)
+            if not disable_state_update:
+                pool[slot] = st[0].to(pool.dtype)
+    if disable_output_calculation:
+        return v.new_empty(0)
     return out.unsqueeze(0).to(v.dtype)
