@@ -10,6 +10,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sglang.srt.configs.falcon_h1 import FalconH1Config
+from sglang.srt.configs.granitemoehybrid import GraniteMoeHybridConfig
 from sglang.srt.configs.nemotron_h import NemotronHConfig
 from sglang.srt.configs.qwen3_5 import Qwen3_5Config
 from sglang.srt.configs.qwen3_next import Qwen3NextConfig
@@ -106,9 +108,65 @@ NEMOTRON_H_8B = {
 }
 
 
+# tiiuae/Falcon-H1-7B-Instruct config.json, the keys SGLang's FalconH1Config / model read (values as
+# cited in sglang_sparse/sim/models.py); the muP multipliers are left at SGLang's defaults: no FLOPs.
+FALCON_H1_7B = {
+    "architectures": ["FalconH1ForCausalLM"],
+    "model_type": "falcon_h1",
+    "hidden_size": 3072,
+    "num_hidden_layers": 44,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "mamba_d_ssm": 3072,
+    "mamba_n_heads": 24,
+    "mamba_d_head": 128,
+    "mamba_d_state": 256,
+    "mamba_n_groups": 1,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "attn_layer_indices": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+# ibm-granite/granite-4.0-h-tiny config.json, the keys SGLang's GraniteMoeHybridConfig / model read
+# (values as cited in sglang_sparse/sim/models.py).
+GRANITE_4_H_TINY = {
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "model_type": "granitemoehybrid",
+    "hidden_size": 1536,
+    "num_hidden_layers": 40,
+    "layer_types": ["mamba"] * 5 + (["attention"] + ["mamba"] * 9) * 3 + ["attention"] + ["mamba"] * 4,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 512,
+    "shared_intermediate_size": 1024,
+    "num_local_experts": 64,
+    "num_experts_per_tok": 6,
+    "mamba_n_heads": 48,
+    "mamba_d_head": 64,
+    "mamba_d_state": 128,
+    "mamba_n_groups": 1,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "position_embedding_type": "nope",
+    "vocab_size": 100352,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+
+
 def served(cfg: dict) -> ModelCostModel:
     """The cost model the adapter builds for ``cfg`` as SGLang parses it (its config class)."""
-    cls = {"qwen3_next": Qwen3NextConfig, "qwen3_5": Qwen3_5Config, "nemotron_h": NemotronHConfig}
+    cls = {
+        "qwen3_next": Qwen3NextConfig,
+        "qwen3_5": Qwen3_5Config,
+        "nemotron_h": NemotronHConfig,
+        "falcon_h1": FalconH1Config,
+        "granitemoehybrid": GraniteMoeHybridConfig,
+    }
     return model_cost(cls[cfg["model_type"]](**cfg))
 
 
@@ -127,7 +185,17 @@ def nemh() -> ModelCostModel:
     return cost_model("nemotron-h-8b")
 
 
-ALL = ("qnext", "q35", "nemh")
+@pytest.fixture(scope="module")
+def falcon() -> ModelCostModel:
+    return cost_model("falcon-h1-7b")
+
+
+@pytest.fixture(scope="module")
+def granite() -> ModelCostModel:
+    return cost_model("granite-4.0-h-tiny")
+
+
+ALL = ("qnext", "q35", "nemh", "falcon", "granite")
 Q35 = served(QWEN3_5_0_8B)
 
 
@@ -294,6 +362,214 @@ def test_nemotron_h_moe_layers() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Hand computations: Falcon-H1-7B (parallel hybrid: attention AND Mamba2 in every layer)
+# --------------------------------------------------------------------------------------------------
+
+
+def falcon_hand_flops(n: int, past: int) -> dict[str, int]:
+    h = 3072
+    # 44 layers, each: attention (12 q / 2 kv x 128, no gate) + Mamba2 (24 x 128, state 256, 1 group,
+    # conv 4) on the same input, then a SwiGLU of 12288. Every block runs in all 44 layers.
+    attn_params = h * (12 * 128) + h * (2 * 128) * 2 + (12 * 128) * h
+    assert attn_params == 11_010_048
+    attn = 44 * (2 * attn_params * n + 4 * 12 * 128 * ctx_sum(n, past))
+    inner = 24 * 128  # 3072 == mamba_d_ssm (here == hidden, not expand * hidden)
+    mamba_params = h * (2 * inner + 2 * 1 * 256 + 24) + inner * h  # in_proj z,x,B,C,dt + out_proj
+    assert mamba_params == 29_958_144
+    conv_dim = inner + 2 * 1 * 256  # 3584
+    mamba_other = 2 * conv_dim * 4 + 5 * 24 * 128 * 256
+    rec = 44 * n * (2 * mamba_params + mamba_other)
+    mlp = 44 * n * 2 * (3 * h * 12288)
+    return {"attention": attn, "recurrent": rec, "mlp": mlp}
+
+
+def test_falcon_h1_structure_and_bytes(falcon: ModelCostModel) -> None:
+    assert falcon.model_type == "falcon_h1"
+    assert falcon.num_layers == 44 and set(falcon.layer_kinds) == {"parallel"}
+    # both blocks in every layer: KV in all 44 layers AND a Mamba2 state in all 44
+    assert (falcon.num_attention_layers, falcon.num_recurrent_layers) == (44, 44)
+    assert falcon.kv_bytes_per_token == 2 * 2 * 128 * 2 * 44 == 45_056
+    ssm = 24 * 128 * 256 * 4  # fp32
+    conv = (3072 + 2 * 256) * 3 * 2  # bf16, W-1 = 3 taps
+    assert (ssm, conv) == (3_145_728, 21_504)
+    assert falcon.state_bytes == 44 * (ssm + conv) == 139_358_208
+
+
+@pytest.mark.parametrize("n,past", [(1, 0), (1000, 0), (1024, 0), (1024, 3000), (32768, 0), (7, 9000)])
+def test_falcon_h1_flops_by_hand(falcon: ModelCostModel, n: int, past: int) -> None:
+    hand = falcon_hand_flops(n, past)
+    assert falcon.prefill_flops_by_kind(n, past) == {k: float(v) for k, v in hand.items()}
+    assert falcon.prefill_flops(n, past) == float(sum(hand.values()))
+
+
+def test_falcon_h1_params_about_7b(falcon: ModelCostModel) -> None:
+    # non-embedding params: 44 x (11.0M attention + 30.0M Mamba2 + 113.2M MLP) = 6.79B (+ core/conv)
+    assert 6.5e9 < falcon.prefill_flops(1, 0) / 2 < 7.2e9
+
+
+# --------------------------------------------------------------------------------------------------
+# Hand computations: Granite-4.0-H-Tiny (4 attention / 36 Mamba2, MoE + shared expert everywhere)
+# --------------------------------------------------------------------------------------------------
+
+
+def granite_hand_flops(n: int, past: int) -> dict[str, int]:
+    h = 1536
+    # attention: 12 q / 4 kv heads x (1536 / 12 = 128), no gate, 4 layers
+    attn_params = h * (12 * 128) + h * (4 * 128) * 2 + (12 * 128) * h
+    assert attn_params == 6_291_456
+    attn = 4 * (2 * attn_params * n + 4 * 12 * 128 * ctx_sum(n, past))
+    inner = 48 * 64  # 3072 == expand 2 * hidden
+    mamba_params = h * (2 * inner + 2 * 1 * 128 + 48) + inner * h
+    assert mamba_params == 14_622_720
+    mamba_other = 2 * (inner + 2 * 128) * 4 + 5 * 48 * 64 * 128
+    rec = 36 * n * (2 * mamba_params + mamba_other)
+    # every one of the 40 layers: router 1536 x 64, 6 SwiGLU experts of 512, a SwiGLU shared of 1024
+    moe_params = h * 64 + 6 * 3 * h * 512 + 3 * h * 1024
+    assert moe_params == 18_972_672
+    mlp = 40 * n * 2 * moe_params
+    return {"attention": attn, "recurrent": rec, "mlp": mlp}
+
+
+def test_granite_h_structure_and_bytes(granite: ModelCostModel) -> None:
+    assert granite.model_type == "granitemoehybrid"
+    assert (granite.num_layers, granite.num_attention_layers, granite.num_recurrent_layers) == (40, 4, 36)
+    assert [i for i, k in enumerate(granite.layer_kinds) if k == "attention"] == [5, 15, 25, 35]
+    assert granite.kv_bytes_per_token == 2 * 4 * 128 * 2 * 4 == 8192
+    ssm = 48 * 64 * 128 * 4
+    conv = (3072 + 2 * 128) * 3 * 2
+    assert granite.state_bytes == 36 * (ssm + conv) == 57_341_952
+
+
+@pytest.mark.parametrize("n,past", [(1, 0), (1000, 0), (1024, 0), (1024, 3000), (32768, 0), (3, 77)])
+def test_granite_h_flops_by_hand(granite: ModelCostModel, n: int, past: int) -> None:
+    hand = granite_hand_flops(n, past)
+    assert granite.prefill_flops_by_kind(n, past) == {k: float(v) for k, v in hand.items()}
+    assert granite.prefill_flops(n, past) == float(sum(hand.values()))
+
+
+def test_granite_h_tiny_active_params_about_1b(granite: ModelCostModel) -> None:
+    # "7B total / 1B active": 40 x 19.0M MoE + 36 x 14.6M Mamba2 + 4 x 6.3M attention ~ 1.31B
+    # non-embedding active params (the card's 1B rounds; 154M embeddings not counted)
+    assert 1.2e9 < granite.prefill_flops(1, 0) / 2 < 1.45e9
+
+
+# --------------------------------------------------------------------------------------------------
+# The new table entries at a glance: checkpoint bytes, KV bytes per token (bf16), 1k-token prefill
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,state_bytes,kv_bytes,flops_1k",
+    [
+        # 44 x (24*128*256 fp32 + 3584*3 bf16); 2*2*128 bf16 x 44; 1024 tokens, hand sum below
+        ("falcon-h1-7b", 139_358_208, 45_056, 14_216_899_592_192),
+        # 36 x (48*64*128 fp32 + 3328*3 bf16); 2*4*128 bf16 x 4
+        ("granite-4.0-h-tiny", 57_341_952, 8192, 2_770_241_323_008),
+    ],
+)
+def test_new_table_entries(name: str, state_bytes: int, kv_bytes: int, flops_1k: int) -> None:
+    m = cost_model(name)
+    assert m.state_bytes == state_bytes
+    assert m.kv_bytes_per_token == kv_bytes
+    hand = {"falcon-h1-7b": falcon_hand_flops, "granite-4.0-h-tiny": granite_hand_flops}[name](1024, 0)
+    assert sum(hand.values()) == flops_1k
+    assert m.prefill_flops(1024) == float(flops_1k)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_layer_kinds_match_the_block_counts(name: str) -> None:
+    m = MODELS[name]
+    assert m.num_attention_layers == m.layer_kinds.count("attention") + m.layer_kinds.count("parallel")
+    assert m.num_recurrent_layers == m.layer_kinds.count("recurrent") + m.layer_kinds.count("parallel")
+    assert all(s.num_layers <= m.num_layers for s in m.mlps)
+
+
+# --------------------------------------------------------------------------------------------------
+# Falcon-H1 / Granite-4.0-H read from SGLang's config objects (small configs, numbers by hand)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_falcon_h1_small_config_by_hand() -> None:
+    cfg = FalconH1Config(
+        architectures=["FalconH1ForCausalLM"],
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # != 64 / 4: the config's head_dim wins, as SGLang reads it
+        intermediate_size=96,
+        mamba_d_ssm=None,  # -> mamba_expand * hidden = 128
+        mamba_n_heads=8,
+        mamba_d_head="auto",  # -> 128 / 8 = 16
+        mamba_d_state=8,
+        mamba_n_groups=2,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        key_multiplier=0.5,
+        ssm_multipliers=[2.0] * 5,
+        mlp_multipliers=[0.25, 4.0],
+    )
+    m = model_cost(cfg)
+    assert m.layer_kinds == ("parallel",) * 3
+    assert (m.num_attention_layers, m.num_recurrent_layers) == (3, 3)
+    assert (m.attention.head_dim, m.recurrent.inner_size, m.recurrent.head_dim) == (32, 128, 16)
+    assert m.kv_bytes_per_token == 2 * 2 * 32 * 2 * 3
+    conv_dim = 128 + 2 * 2 * 8
+    assert m.state_bytes == 3 * (8 * 16 * 8 * 4 + conv_dim * 2 * 2)
+    n, past, h = 5, 11, 64
+    attn = 3 * (2 * (h * 4 * 32 + 2 * h * 2 * 32 + 4 * 32 * h) * n + 4 * 4 * 32 * ctx_sum(n, past))
+    mamba = 3 * n * (2 * (h * (2 * 128 + 2 * 2 * 8 + 8) + 128 * h) + 2 * conv_dim * 3 + 5 * 8 * 16 * 8)
+    mlp = 3 * n * 2 * 3 * h * 96
+    assert m.prefill_flops_by_kind(n, past) == {"attention": attn, "recurrent": mamba, "mlp": mlp}
+
+
+@pytest.mark.parametrize(
+    "experts,shared,mlp_params",
+    [
+        (4, 48, 64 * 4 + 2 * 3 * 64 * 16 + 3 * 64 * 48),  # MoE (top 2) + shared SwiGLU
+        (4, 0, 64 * 4 + 2 * 3 * 64 * 16),  # MoE only
+        (0, 48, 3 * 64 * 48),  # dense: the shared SwiGLU is the MLP (granite-4.0-h-micro's shape)
+        (0, 0, 0),  # no FFN at all
+    ],
+)
+def test_granite_h_small_config_by_hand(experts: int, shared: int, mlp_params: int) -> None:
+    cfg = GraniteMoeHybridConfig(
+        architectures=["GraniteMoeHybridForCausalLM"],
+        hidden_size=64,
+        num_hidden_layers=4,
+        # HF's newer spellings, which SGLang maps to mamba / attention
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,  # ignored: SGLang's attention uses hidden / heads = 16
+        intermediate_size=16,
+        shared_intermediate_size=shared,
+        num_local_experts=experts,
+        num_experts_per_tok=2 if experts else 0,
+        mamba_n_heads=8,
+        mamba_d_head=16,  # 8 * 16 == expand 2 * hidden 64
+        mamba_d_state=4,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        residual_multiplier=0.5,
+        embedding_multiplier=3.0,
+    )
+    m = model_cost(cfg)
+    assert m.layer_kinds == ("recurrent", "attention", "recurrent", "recurrent")
+    assert (m.num_attention_layers, m.num_recurrent_layers) == (1, 3)
+    assert m.attention.head_dim == 16
+    assert m.kv_bytes_per_token == 2 * 1 * 16 * 2 * 1
+    conv_dim = 128 + 2 * 4
+    assert m.state_bytes == 3 * (8 * 16 * 4 * 4 + conv_dim * 3 * 2)
+    n, past, h = 6, 2, 64
+    attn = 1 * (2 * (h * 4 * 16 + 2 * h * 16 + 4 * 16 * h) * n + 4 * 4 * 16 * ctx_sum(n, past))
+    mamba = 3 * n * (2 * (h * (2 * 128 + 2 * 4 + 8) + 128 * h) + 2 * conv_dim * 4 + 5 * 8 * 16 * 4)
+    mlp = 4 * n * 2 * mlp_params
+    assert m.prefill_flops_by_kind(n, past) == {"attention": attn, "recurrent": mamba, "mlp": mlp}
+    assert len(m.mlps) == (1 if mlp_params else 0)
+
+
+# --------------------------------------------------------------------------------------------------
 # dtype overrides
 # --------------------------------------------------------------------------------------------------
 
@@ -333,7 +609,13 @@ def test_monotone_in_n_and_past(name: str, request: pytest.FixtureRequest) -> No
     past=st.integers(0, 200_000),
 )
 def test_additivity(name: str, a: int, b: int, past: int) -> None:
-    m = {"qnext": MODELS["qwen3-next-80b-a3b"], "q35": Q35, "nemh": MODELS["nemotron-h-8b"]}[name]
+    m = {
+        "qnext": MODELS["qwen3-next-80b-a3b"],
+        "q35": Q35,
+        "nemh": MODELS["nemotron-h-8b"],
+        "falcon": MODELS["falcon-h1-7b"],
+        "granite": MODELS["granite-4.0-h-tiny"],
+    }[name]
     lhs = m.prefill_flops(a, past) + m.prefill_flops(b, past_tokens=past + a)
     assert math.isclose(lhs, m.prefill_flops(a + b, past), rel_tol=1e-14)
     # the exact (integer) breakdown is additive with no rounding at moderate sizes
@@ -394,7 +676,13 @@ def test_frozen(qnext: ModelCostModel) -> None:
 
 
 @pytest.mark.parametrize(
-    "name,cfg", [("qwen3-next-80b-a3b", QWEN3_NEXT_80B_A3B), ("nemotron-h-8b", NEMOTRON_H_8B)]
+    "name,cfg",
+    [
+        ("qwen3-next-80b-a3b", QWEN3_NEXT_80B_A3B),
+        ("nemotron-h-8b", NEMOTRON_H_8B),
+        ("falcon-h1-7b", FALCON_H1_7B),
+        ("granite-4.0-h-tiny", GRANITE_4_H_TINY),
+    ],
 )
 def test_table_equals_sglangs_reading_of_the_public_config(name: str, cfg: dict) -> None:
     assert served(cfg) == MODELS[name]

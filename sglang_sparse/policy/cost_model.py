@@ -43,6 +43,13 @@ Summed over the ``n`` new tokens after ``past`` cached ones, the attention conte
 ``4*Hq*D * (n*past + n*(n+1)/2)`` per attention layer, so ``prefill_flops`` is exactly additive:
 ``prefill_flops(a) + prefill_flops(b, past_tokens=a) == prefill_flops(a + b)``.
 
+Layer layouts: a decoder layer holds one sequence mixer (attention or recurrent) plus an MLP/MoE
+(Qwen3-Next, Qwen3.5, Granite-4.0-H), or only one of those blocks (Nemotron-H), or -- a *parallel*
+hybrid, Falcon-H1 -- an attention AND a Mamba2 block side by side on the same input (outputs summed)
+plus an MLP. Each block spec counts the layers holding that block, so a parallel layer counts once in
+``attention.num_layers`` and once in ``recurrent.num_layers`` and is charged both blocks' FLOPs, KV and
+state; ``layer_kinds`` (:class:`ModelCostModel`) records the layout and its counts match the specs'.
+
 Not counted: embeddings and ``lm_head`` (the engine computes logits for the last prefill token only,
 independent of cache hits), norms, RoPE, softmax, activations, gating elementwise ops, MTP layers.
 
@@ -276,8 +283,10 @@ NEMOTRON_H_LAYER_KINDS: dict[str, str] = {"M": "recurrent", "*": "attention", "-
 class ModelCostModel:
     """FLOP / byte cost model of one hybrid model (see the module docstring for every formula).
 
-    ``layer_kinds`` lists, per decoder layer, its sequence mixer: ``"attention"``, ``"recurrent"`` or
-    ``"mlp"`` (Nemotron-H layers that are only an MLP/MoE block).
+    ``layer_kinds`` lists, per decoder layer, its sequence mixer: ``"attention"``, ``"recurrent"``,
+    ``"parallel"`` (Falcon-H1: attention and Mamba2 side by side) or ``"mlp"`` (Nemotron-H layers that
+    are only an MLP/MoE block). Invariant: ``attention.num_layers`` is the count of ``"attention"``
+    plus ``"parallel"`` layers, ``recurrent.num_layers`` that of ``"recurrent"`` plus ``"parallel"``.
     """
 
     model_type: str

@@ -49,10 +49,57 @@ NEMOTRON_H_8B = ModelCostModel(
     mlps=(MLPSpec(24, gated=False, intermediate_size=21504),),
 )
 
+#: tiiuae/Falcon-H1-7B-Instruct, a parallel hybrid: each of its 44 layers runs attention (12 q / 2 kv
+#: heads x 128, no gate) AND a Mamba2 mixer (24 heads x 128 = mamba_d_ssm 3072, state 256, 1 group,
+#: conv 4) on the same input, then a SwiGLU MLP of 12288. Depth / width / heads / kv / Mamba heads /
+#: head dims 128 / 128 / state 256: the model table of transformers' FalconH1 docs
+#: (huggingface.co/docs/transformers/model_doc/falcon_h1); intermediate 12288, 1 group, conv 4, 24 x 128:
+#: Megatron-Bridge's FalconH1ModelProvider7B ("from config.json", NVIDIA-NeMo/Megatron-Bridge
+#: src/megatron/bridge/models/falcon_h1/falconh1_provider.py); mamba_d_ssm 3072 and head_dim 128 also in
+#: third-party copies of the config.json (mlx-community 4-bit's)
+FALCON_H1_7B = ModelCostModel(
+    model_type="falcon_h1",
+    hidden_size=3072,
+    layer_kinds=("parallel",) * 44,
+    attention=AttentionSpec(44, 12, 2, 128, output_gate=False),
+    recurrent=Mamba2Spec(44, 24, 128, 256, 1, 4),
+    mlps=(MLPSpec(44, gated=True, intermediate_size=12288),),
+)
+
+#: ibm-granite/granite-4.0-h-tiny: 40 layers, 4 attention (12 q / 4 kv heads x 128 = 1536 / 12, no
+#: gate, NoPE) at layers 5, 15, 25, 35, the other 36 Mamba2 (48 heads x 64 = 2 x 1536, state 128, 1
+#: group, conv 4); every layer a MoE of 64 SwiGLU experts x 512, 6 per token, plus a 1024-wide shared
+#: SwiGLU. Hidden, 4 / 36 layers, head size, heads, kv heads, state, Mamba heads, experts, active
+#: experts, expert and shared sizes: the model card's architecture table (a copy in
+#: DocDBrown/IBMGranite4Tiny README.md); Mamba head dim 64, 1 group, conv 4, the layer_types order:
+#: third-party copies of the config.json (the head dim is also forced by SGLang's config check)
+GRANITE_4_H_TINY_LAYER_KINDS = (
+    ("recurrent",) * 5 + ("attention",) + (("recurrent",) * 9 + ("attention",)) * 3 + ("recurrent",) * 4
+)
+GRANITE_4_H_TINY = ModelCostModel(
+    model_type="granitemoehybrid",
+    hidden_size=1536,
+    layer_kinds=GRANITE_4_H_TINY_LAYER_KINDS,
+    attention=AttentionSpec(4, 12, 4, 128, output_gate=False),
+    recurrent=Mamba2Spec(36, 48, 64, 128, 1, 4),
+    mlps=(
+        MLPSpec(
+            40,
+            gated=True,
+            num_experts=64,
+            experts_per_token=6,
+            expert_intermediate_size=512,
+            shared_expert_intermediate_size=1024,
+        ),
+    ),
+)
+
 #: named models (``--model`` of the benchmarks)
 MODELS: dict[str, ModelCostModel] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
+    "falcon-h1-7b": FALCON_H1_7B,
+    "granite-4.0-h-tiny": GRANITE_4_H_TINY,
 }
 
 
