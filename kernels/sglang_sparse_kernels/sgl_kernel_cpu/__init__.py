@@ -13,7 +13,9 @@ the token-by-token recurrence on slot-indexed states: decode and capture tails),
 writes), :mod:`.registry` (``torch.ops.sgl_kernel.*`` registration), :mod:`.sglang_cpu_plugin`
 (routes the two non-AMX Triton-only paths of SGLang 0.5.23 to these ops; input-id guard),
 :mod:`.sglang_platform` (opt-in out-of-tree SGLang CPU platform with Mamba ``extra_buffer``
-support), :mod:`.mamba_track` (torch decode-state tracking copies for ``extra_buffer``).
+support), :mod:`.mamba_track` (torch decode-state tracking copies for ``extra_buffer``), :mod:`.mamba2`
+(Mamba2 / SSD: causal conv wrappers, the chunked scan with SGLang's per-chunk and tracked states,
+the decode state update; routed into SGLang's ``MambaMixer2`` by the CPU plugin).
 """
 
 from .conv import causal_conv1d_fwd, causal_conv1d_update

@@ -1,7 +1,8 @@
 """SGLang general plugin (entry point group ``sglang.srt.plugins``) for CPUs without AMX.
 
 On any CPU-only SGLang it also installs the HiCache routes (:mod:`.hicache`: host pools without
-``cudaHostRegister``, torch host<->device copy ops, the ``direct`` io backend).
+``cudaHostRegister``, torch host<->device copy ops, the ``direct`` io backend) and the Mamba2 routes
+(:func:`install_mamba2_routes`).
 
 SGLang 0.5.23 sends two pieces of the Qwen3-Next/Qwen3.5 path to its CPU kernels only when the CPU
 has AMX (``cpu_has_amx_support()``) and to GPU-only Triton kernels otherwise:
@@ -109,6 +110,49 @@ def _replace_gate(module: types.ModuleType) -> None:
     module.fused_gate_sigmoid_mul_add = _gate_sigmoid_mul_add  # type: ignore[attr-defined]
 
 
+#: SGLang 0.5.23 modules that bind the Mamba2 Triton kernels at import: name -> attributes replaced by
+#: the torch stand-ins of :mod:`.mamba2` (same names there). ``mamba.py`` binds the conv names only under
+#: CUDA/NPU/XPU (``NameError`` on the CPU) and the SSD scan / state update from ``triton_ops``;
+#: ``mamba1.py`` re-imports the conv names from it (so they must exist before it is imported) and its
+#: ``selective_state_update`` is left alone (its Mamba1 prefill scan has no CPU path either).
+MAMBA2_ROUTES: dict[str, tuple[str, ...]] = {
+    "sglang.srt.layers.attention.mamba.mamba": (
+        "causal_conv1d_fn",
+        "causal_conv1d_fn_triton",
+        "causal_conv1d_update",
+        "causal_conv1d_update_triton",
+        "mamba_chunk_scan_combined",
+        "selective_state_update",
+    ),
+}
+
+#: :data:`MAMBA2_ROUTES` names whose stand-in has another name in :mod:`.mamba2`.
+_MAMBA2_ALIASES = {
+    "causal_conv1d_fn_triton": "causal_conv1d_fn",
+    "causal_conv1d_update_triton": "causal_conv1d_update",
+}
+
+
+def _route_mamba2(module: types.ModuleType) -> None:
+    from . import mamba2
+
+    for attr in MAMBA2_ROUTES[module.__name__]:
+        setattr(module, attr, getattr(mamba2, _MAMBA2_ALIASES.get(attr, attr)))
+
+
+def install_mamba2_routes() -> None:
+    """Point SGLang's Mamba2 mixer (Nemotron-H, Falcon-H1, Granite-4.0-H) at :mod:`.mamba2`.
+
+    For every CPU-only SGLang, AMX or not: unlike GDN, SGLang 0.5.23 has no CPU Mamba2 path at all
+    (the conv names are unbound and the SSD kernels are Triton, whose wrappers also enter
+    ``torch.get_device_module(x.device).device(...)``, absent from ``torch.cpu``). The stand-ins
+    replace the module attributes, so ``MambaMixer2.forward`` never reaches a Triton wrapper.
+    Idempotent.
+    """
+    for name in MAMBA2_ROUTES:
+        after_import(name, _route_mamba2)
+
+
 def register() -> None:
     """Apply the CPU routes (idempotent; patches modules when they are first imported).
 
@@ -136,6 +180,13 @@ def register() -> None:
             hicache.install()
     except Exception:  # noqa: BLE001 - a plugin must never take the server down
         logger.exception("sglang_sparse CPU HiCache routes failed")
+    try:
+        from sglang.srt.utils import is_cpu
+
+        if is_cpu():
+            install_mamba2_routes()
+    except Exception:  # noqa: BLE001 - a plugin must never take the server down
+        logger.exception("sglang_sparse CPU Mamba2 routes failed")
     try:
         if not needs_cpu_routes():
             return
