@@ -51,6 +51,7 @@ def register() -> None:
     for target in _CAPTURE_METADATA_TARGETS:
         HookRegistry.register(target, _capture_metadata_hook, HookType.AFTER)
     HookRegistry.register(_CAPTURE_EXTEND_TARGET, _capture_extend_hook, HookType.AROUND)
+    HookRegistry.register(_CAPTURE_MIXER_TARGET, _capture_mixer_hook, HookType.AROUND)
     HookRegistry.register(_CAPTURE_DONE_TARGET, _capture_done_hook, HookType.AFTER)
     HookRegistry.register(_CAPTURE_GRAPH_TARGET, _capture_graph_hook, HookType.AROUND)
     # extra_buffer: decode-time states on the policy's grid, tracked only for requests whose plan
@@ -71,6 +72,7 @@ _CAPTURE_METADATA_TARGETS = (
     f"{_HYBRID_BACKEND}.Mamba2AttnBackend.init_forward_metadata",
 )
 _CAPTURE_EXTEND_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
+_CAPTURE_MIXER_TARGET = "sglang.srt.layers.attention.mamba.mamba.MambaMixer2.forward"
 _CAPTURE_DONE_TARGET = f"{_HYBRID_BACKEND}.MambaAttnBackendBase._track_mamba_state_extend"
 _CAPTURE_GRAPH_TARGET = (
     "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph"
@@ -81,6 +83,7 @@ _CAPTURE_TARGETS = (
     _CAPTURE_INIT_NEW_TARGET,
     *_CAPTURE_METADATA_TARGETS,
     _CAPTURE_EXTEND_TARGET,
+    _CAPTURE_MIXER_TARGET,
     _CAPTURE_DONE_TARGET,
 )
 _TRACK_GRID_TARGET = "sglang.srt.runtime_context.mamba_track_grid"
@@ -172,6 +175,13 @@ def _capture_extend_hook(original, self, *args, **kwargs):
     track = _track_module()
     if track is not None and track.forward_plan() is not None:
         return track.extend_hook(original, self, *args, **kwargs)
+    return original(self, *args, **kwargs)
+
+
+def _capture_mixer_hook(original, self, *args, **kwargs):
+    track = _track_module()
+    if track is not None and track.forward_plan() is not None:
+        return track.mixer_hook(original, self, *args, **kwargs)
     return original(self, *args, **kwargs)
 
 

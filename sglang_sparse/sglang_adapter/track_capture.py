@@ -13,6 +13,9 @@ extra entries of SGLang's prefill track lists (:func:`attach`, AFTER the linear-
   stand-in, FlashInfer's checkpoints when requested, Mamba2's per-chunk states), the final state at
   the extend end, or (Mamba2) the scan's exact recompute at any position.
 
+Mamba2 layers without a track of SGLang's own in the forward (no_buffer) skip SGLang's copies;
+AROUND ``MambaMixer2.forward`` (:func:`mixer_hook`) runs them for the plan.
+
 What SGLang's lists cannot express, a GDN position off the state grid, is a *tail*: AROUND
 ``GDNKernelDispatcher.extend`` (:func:`extend_hook`) the tail's slot gets the ``h`` row at the grid
 point below it (or, for FlashInfer below its first checkpoint, the initial state, copied before
@@ -53,6 +56,10 @@ class ForwardLists:
 
     metadata: Any
     req_to_token_pool: Any
+    #: the backend, and whether SGLang's forward skips its track copies (Mamba2 without SGLang's
+    #: own tracks: ``Mamba2AttnBackend.forward`` copies only when ``mamba_track_mask`` is set)
+    backend: Any = None
+    copy_ourselves: bool = False
     pre_src: torch.Tensor | None = None
     pre_dst: torch.Tensor | None = None
     tail_h_src: torch.Tensor | None = None
@@ -189,6 +196,10 @@ def attach(
         logger.error("sparse capture: plan not attached (%s)", e)
         return False
     plan.lists = _merge(backend, md, adds, conv_len, layout, grid)
+    plan.lists.backend = backend
+    plan.lists.copy_ourselves = (
+        layout is Layout.FLAT and getattr(forward_batch, "mamba_track_mask", None) is None
+    )
     plan.n_tails = adds.n_tails
     st = plan.stats
     if st:
@@ -338,6 +349,22 @@ def extend_hook(original: Any, self: Any, q, k, v, g, beta, **kwargs: Any) -> An
         disable_output_calculation=True,
     )
     plan.tail_layers.add(int(layer_id))
+    return out
+
+
+def mixer_hook(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``MambaMixer2.forward`` (keyword arguments): where SGLang's ``Mamba2AttnBackend
+    .forward`` skips the track copies (no track of its own this forward: no_buffer), run SGLang's
+    ``_track_mamba_state_extend`` on the mixer's per-chunk and recomputed states for the plan."""
+    out = original(self, *args, **kwargs)
+    plan = forward_plan()
+    lists = None if plan is None else plan.lists
+    md = kwargs.get("metadata")
+    if lists is not None and lists.copy_ourselves and lists.metadata is md and out[1] is not None:
+        base = next(c for c in type(lists.backend).__mro__ if c.__name__ == "MambaAttnBackendBase")
+        base._track_mamba_state_extend(
+            lists.backend, None, out[1], kwargs["layer_cache"].temporal, md, track_states=out[2]
+        )
     return out
 
 

@@ -176,13 +176,21 @@ def test_sparse_on_extra_buffer_reuses_and_leaks_nothing(runs: dict) -> None:
     assert "mamba strategy extra_buffer" in log and "overlap schedule on" in log
     assert "leaked_mamba_pages={" not in log and "Traceback" not in log
     # In-forward capture through SGLang's track copies: no cut, and no forward beyond the chunks the
-    # prefilled tokens need (requests are sequential: one prefill batch per 256-token chunk).
+    # prefilled tokens need (requests are sequential: one prefill batch per 256-token chunk, plus
+    # the server's own warm-up, the same on both servers).
     assert s["cuts_applied"] == 0 and s["capture_mode"] == "forward" and s["capture_layout"] == "chunks", s
     prompts = [len(p) for p in runs["prompts"]]
-    need = sum(-(-(n - c) // 256) for n, c in zip(prompts, sp["cached"], strict=True))
+    need = {
+        name: sum(-(-(n - c) // 256) for n, c in zip(prompts, runs[name]["cached"], strict=True))
+        for name in ("sparse", "native_eb")
+    }
     forwards = {name: runs[name]["log"].count("Prefill batch") for name in ("sparse", "native_eb")}
-    print(f"page {page} prefill forwards {forwards}, sparse needs {need}")
-    assert forwards["sparse"] == need <= forwards["native_eb"], forwards
+    print(f"page {page} prefill forwards {forwards}, needed {need}")
+    assert forwards["sparse"] - need["sparse"] == forwards["native_eb"] - need["native_eb"] >= 0, (
+        forwards,
+        need,
+    )
+    assert forwards["sparse"] <= forwards["native_eb"], forwards
 
 
 STORM = 500

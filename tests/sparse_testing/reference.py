@@ -33,16 +33,17 @@ def _weights_stamp(model_dir: str | Path) -> dict:
 
 
 class NoCacheReference:
-    """A lazily started ``--disable-radix-cache`` no_buffer server on the tiny Qwen3-Next (seed 0).
+    """A lazily started ``--disable-radix-cache`` no_buffer server on a tiny model (by default the
+    tiny Qwen3-Next, seed 0; ``arch`` and ``overrides`` as :func:`make_tiny_model`'s).
 
     ``workdir``: where its checkpoint and log go. :meth:`generate` answers like
     :meth:`SGLangServer.generate` (greedy, ``ignore_eos``) and memoizes; :meth:`stop` ends it.
     """
 
-    def __init__(self, workdir: str | Path) -> None:
+    def __init__(self, workdir: str | Path, arch: str = "qwen3_next", **overrides: int | str) -> None:
         self.workdir = Path(workdir)
         self.model_dir = make_tiny_model(
-            self.workdir / "model", arch="qwen3_next", seed=0, max_position_embeddings=REFERENCE_CONTEXT
+            self.workdir / "model", arch=arch, seed=0, max_position_embeddings=REFERENCE_CONTEXT, **overrides
         )
         self._srv: SGLangServer | None = None
         self._memo: dict[tuple[tuple[int, ...], int], GenerateResult] = {}
@@ -51,7 +52,7 @@ class NoCacheReference:
         """Raise ``ValueError`` unless ``model_dir`` holds the reference's weights."""
         if _weights_stamp(model_dir) != _weights_stamp(self.model_dir):
             raise ValueError(
-                f"{model_dir} is not the reference model (tiny qwen3_next, seed 0): "
+                f"{model_dir} is not the reference model ({self.model_dir}): "
                 "start a module-local --disable-radix-cache server for it instead"
             )
 
