@@ -100,11 +100,23 @@ def load_requests(
 Config = tuple[Sequence[str], dict[str, str], str]
 
 
-def configs(quick: bool) -> dict[str, Config]:
-    """The slices' configurations, as :data:`benchmarks.serving_load.CONFIGS` defines them."""
+#: the slices' configurations (``--configs`` picks among them; no cache always runs: token equality)
+DEFAULT_CONFIGS = ("nocache", "native", "native_eb", "sparse", "sparse_nb", "marconi", "lru")
+QUICK_CONFIGS = ("nocache", "native", "native_eb", "sparse")
+
+
+def configs(quick: bool, names: Sequence[str] | None = None) -> dict[str, Config]:
+    """The slices' configurations, as :data:`benchmarks.serving_load.CONFIGS` defines them:
+    ``names`` (plus ``nocache``), else the quick or the full set."""
     from benchmarks.serving_load import CONFIGS
 
-    names = ["nocache", "native", "native_eb", "sparse"] + ([] if quick else ["sparse_nb", "marconi", "lru"])
+    if names:
+        unknown = sorted(set(names) - set(CONFIGS))
+        if unknown:
+            raise SystemExit(f"error: unknown configuration(s) {unknown}; valid: {', '.join(CONFIGS)}")
+        names = ["nocache", *(n for n in names if n != "nocache")]
+    else:
+        names = list(QUICK_CONFIGS if quick else DEFAULT_CONFIGS)
     return {n: CONFIGS[n] for n in names}
 
 
@@ -439,7 +451,7 @@ def run_hicache(
     summary = {t: hicache_summary(raw[t]["configs"], ideal_prefilled(v)) for t, v in traces.items()}
     wall = time.time() - t0
     doc = {
-        "model": {"size": args.size, "path": str(model_dir)},
+        "model": {"arch": args.arch, "size": args.size, "path": str(model_dir)},
         "requests_per_trace": {t: len(v) for t, v in traces.items()},
         "prompt_lengths": {t: [len(p) for p in v] for t, v in traces.items()},
         "server": {"chunked_prefill_size": CHUNK, "hicache_write_policy": HICACHE_WRITE_POLICY},
@@ -495,6 +507,20 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny-model size preset (default: tiny; the bench preset makes prefill dominate TTFT "
         "but one 800-token prefill of it takes minutes on 2 shared cores)",
     )
+    ap.add_argument(
+        "--arch",
+        default="qwen3_next",
+        help="tiny-model architecture (sglang_sparse.models.tiny.ARCHS), e.g. nemotron_h (Mamba2)",
+    )
+    ap.add_argument(
+        "--mamba-chunk-size",
+        type=int,
+        default=128,
+        help="SSM chunk (tokens) of a Mamba2 --arch: its state grid (real checkpoints: 128-256)",
+    )
+    ap.add_argument(
+        "--configs", help=f"comma-separated configurations (default: {','.join(DEFAULT_CONFIGS)})"
+    )
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/sglang_sparse_bench_model"))
     ap.add_argument(
         "--out", type=Path, default=None, help="JSON path (default benchmarks/results[/quick]/serving.json)"
@@ -505,15 +531,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.traces is None:
         args.traces = HICACHE_TRACES if args.hicache else "doc_qa,system_prompts"
 
-    from sglang_sparse.models.tiny import SIZES, make_tiny_model
+    from sglang_sparse.models.tiny import ARCHS, MAMBA2_ARCHS, SIZES, make_tiny_model
 
+    if args.arch not in ARCHS:
+        raise SystemExit(f"error: unknown --arch {args.arch!r}; valid: {', '.join(ARCHS)}")
     n = args.requests or (8 if args.quick else 60)
     args.size = args.size or "tiny"
     if args.model_dir == Path("/tmp/sglang_sparse_bench_model"):
-        args.model_dir = Path(f"/tmp/sglang_sparse_serving_{args.size}")
+        suffix = "" if args.arch == "qwen3_next" else f"_{args.arch}"
+        args.model_dir = Path(f"/tmp/sglang_sparse_serving_{args.size}{suffix}")
     vocab = SIZES[args.size].vocab_size
     context = min(4096, SIZES[args.size].max_position_embeddings)
-    model_dir = make_tiny_model(args.model_dir, arch="qwen3_next", size=args.size, seed=0)
+    overrides = {"mamba_chunk_size": args.mamba_chunk_size} if args.arch in MAMBA2_ARCHS else {}
+    model_dir = make_tiny_model(args.model_dir, arch=args.arch, size=args.size, seed=0, **overrides)
     trace_names = [t for t in args.traces.split(",") if t]
     traces = {
         t: load_requests(t, n, target=args.target_len, tail=48, max_len=context - 16, vocab=vocab)
@@ -522,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hicache:
         return run_hicache(args, model_dir, traces, context)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    cfgs = configs(args.quick)
+    cfgs = configs(args.quick, [c for c in (args.configs or "").split(",") if c])
     total = len(cfgs) * sum(len(v) for v in traces.values())
     t0 = time.time()
     results: dict[str, Any] = {}
@@ -535,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     ideal = {t: ideal_prefilled(v) for t, v in traces.items()}
     summary = summarize(results, trace_names, ideal)
     doc = {
-        "model": {"size": args.size, "path": str(model_dir)},
+        "model": {"arch": args.arch, "size": args.size, "path": str(model_dir), **overrides},
         "quick": args.quick,
         "requests_per_trace": n,
         "prompt_lengths": {t: [len(p) for p in v] for t, v in traces.items()},

@@ -87,9 +87,14 @@ def _check(layout: Layout, grid: int, lens: list[int], caps: list[tuple[int, int
         assert a.conv_dst == slots
         for d, idx in zip(a.conv_dst, a.conv_idx, strict=True):
             n, r = want[d]
-            assert idx == list(range(starts[n] + r - conv_len, starts[n] + r))
+            assert idx == [max(i, 0) for i in range(starts[n] + r - conv_len, starts[n] + r)]
+        # windows reaching before the extend start, and only those, get a fix from the initial window
+        fixes = {
+            d: (n, r) for n, r, d in zip(a.conv_fix_rows, a.conv_fix_offsets, a.conv_fix_dst, strict=True)
+        }
+        assert fixes == {d: nr for d, nr in want.items() if nr[1] < conv_len}
     else:
-        assert a.conv_dst == [] and a.conv_idx == []
+        assert a.conv_dst == [] and a.conv_idx == [] and a.conv_fix_dst == []
     assert a.n_ssm == len(caps)
     if layout is Layout.CHECKPOINTS:
         reads = any(s >= 0 for s in (*a.h_src, *a.tail_src))
@@ -108,9 +113,7 @@ def _batches(draw, layouts=(Layout.CHUNKS, Layout.CHECKPOINTS, Layout.FLAT)):
     lens = draw(st.lists(st.integers(1, 4 * grid + 7), min_size=1, max_size=5))
     caps: list[tuple[int, int]] = []
     for n, length in enumerate(lens):
-        if length < max(conv_len, 1):
-            continue
-        offs = draw(st.sets(st.integers(max(conv_len, 1), length), max_size=4))
+        offs = draw(st.sets(st.integers(1, length), max_size=4))
         caps += [(n, r) for r in sorted(offs)]
     return layout, grid, lens, caps, conv_len
 
@@ -175,8 +178,8 @@ def test_invalid_captures_are_refused() -> None:
         track_additions([0], [0], [1], [0], [10], **kw)
     with pytest.raises(ValueError, match="outside"):
         track_additions([0], [11], [1], [0], [10], **kw)
-    with pytest.raises(ValueError, match="conv window"):
-        track_additions([0], [2], [1], [0], [10], **kw)
+    short = track_additions([0], [2], [1], [0], [10], **kw)  # a window reaching before the extend
+    assert short.conv_idx == [[0, 0, 1]] and (short.conv_fix_rows, short.conv_fix_offsets) == ([0], [2])
     with pytest.raises(ValueError, match="row 3 outside"):
         track_additions([3], [5], [1], [0], [10], **kw)
     with pytest.raises(ValueError, match="no h"):

@@ -39,10 +39,8 @@ Invariants:
 * capture slots never equal a working slot of the batch (they come from the allocator), so the
   copies never overwrite an input state.
 
-Where a position is not captured (each counted in :meth:`CaptureRadixCache.sparse_stats`):
-``captures_skipped_conv``, fewer than ``W - 1`` tokens after the extend start (the conv window
-would reach into the previous extend; the state is within ``W - 2`` tokens of one the request
-resumed or checkpointed at); ``captures_dropped``, no free slot even after eviction. Whole-mode
+Where a position is not captured (counted in :meth:`CaptureRadixCache.sparse_stats`):
+``captures_dropped``, no free slot even after eviction. Whole-mode
 cuts (``capture=cut``, with the reason in ``capture_reason``): an explicit
 ``SGLANG_SPARSE_CAPTURE=cut``, a GDN prefill kernel that returns no per-chunk states (CuTe DSL),
 HiCache with write-back (see ``docs/sparse_backend.md``).
@@ -99,7 +97,6 @@ import torch
 
 from .cache import SparseMambaComponent, SparseRadixCache, key_length
 from .track_capture import CapturePlan, set_forward_plan
-from .track_lists import conv_window_fits
 
 logger = logging.getLogger("sglang_sparse")
 
@@ -163,17 +160,15 @@ class CaptureRadixCache(SparseRadixCache):
             "captures_freed": 0,  # freed unpublished (abort, retraction, flush, not reached)
             "captures_incomplete": 0,  # freed: not every layer wrote the slot
             "captures_reclaimed": 0,  # freed unpublished: SGLang's own allocation needed the slot
-            "captures_skipped_conv": 0,  # within W - 1 tokens of the extend start: not captured
+            "capture_conv_fixes": 0,  # captures within W - 1 tokens of the extend start (conv fix)
             "capture_forwards": 0,  # forwards that carried a plan
             "capture_tails": 0,  # captures off the state grid advanced by the recurrent kernel (GDN)
             "capture_graph_vetoes": 0,  # full prefill CUDA graph replays refused for a plan's forward
             "capture_layout": None,  # where the extend kernel's per-chunk states were (track_lists)
         }
         super().__init__(params, **kwargs)
-        cache = self.req_to_token_pool.mamba_pool.mamba_cache
-        #: recurrent layers (one SSM pool per layer) and the conv state width W - 1 (tokens)
-        self._n_state_layers = int(cache.temporal.shape[0])
-        self._conv_len = int(cache.conv[0].shape[-1]) if getattr(cache, "conv", None) else 0
+        #: recurrent layers (one SSM pool per layer)
+        self._n_state_layers = int(self.req_to_token_pool.mamba_pool.mamba_cache.temporal.shape[0])
 
     # ------------------------------------------------------------------ planning
 
@@ -192,8 +187,7 @@ class CaptureRadixCache(SparseRadixCache):
         copies the live state at ``extend_end``); with extra_buffer also ``p == extend_end``, except
         the one grid point SGLang's own track takes in this extend (``mamba_last_track_seqlen``,
         offered to admission at the next checkpoint like a no_buffer chunk end). Positions off the
-        page grid are never planned with extra_buffer; positions fewer than ``W - 1`` tokens after
-        the extend start are skipped (``captures_skipped_conv``)."""
+        page grid are never captured."""
         want: list[tuple[int, int, int]] = []  # (row, offset, absolute position)
         decoding = getattr(batch, "decoding_reqs", None) or ()
         extra = self.enable_mamba_extra_buffer
@@ -210,9 +204,6 @@ class CaptureRadixCache(SparseRadixCache):
             for p in self.planned_positions(req):
                 if lo < p < hi or (extra and p == hi):
                     if p != own and p % self.page_size == 0:
-                        if not conv_window_fits(p - lo, self._conv_len):
-                            self.capture_stats["captures_skipped_conv"] += 1
-                            continue
                         want.append((row, p - lo, p))
         if not want:
             return None

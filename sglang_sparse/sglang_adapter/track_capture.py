@@ -16,6 +16,11 @@ extra entries of SGLang's prefill track lists (:func:`attach`, AFTER the linear-
 Mamba2 layers without a track of SGLang's own in the forward (no_buffer) skip SGLang's copies;
 AROUND ``MambaMixer2.forward`` (:func:`mixer_hook`) runs them for the plan.
 
+A capture fewer than ``W - 1`` tokens after its extend start has a conv window that reaches into
+the state before the extend: SGLang's gather writes its last columns, the extend hook (GDN) or the
+mixer hook (Mamba2) then copies the first ones from the row's initial window, read for every layer
+when the plan was attached (:func:`fix_conv`).
+
 What SGLang's lists cannot express, a GDN position off the state grid, is a *tail*: AROUND
 ``GDNKernelDispatcher.extend`` (:func:`extend_hook`) the tail's slot gets the ``h`` row at the grid
 point below it (or, for FlashInfer below its first checkpoint, the initial state, copied before
@@ -67,6 +72,14 @@ class ForwardLists:
     tail_dst: torch.Tensor | None = None
     tail_tokens: torch.Tensor | None = None
     tail_cu: torch.Tensor | None = None
+    #: conv fixes (captures within ``W - 1`` tokens of their extend start): slots ``[F]``, the
+    #: columns to take from the initial window ``[F, 1, W - 1]`` (bool) and those columns, shifted
+    #: into place, per pool layer ``[L, F, D, W - 1]``, read before any layer ran; the pool layer of
+    #: a layer's conv tensor by its storage address
+    fix_dst: torch.Tensor | None = None
+    fix_mask: torch.Tensor | None = None
+    fix_cols: torch.Tensor | None = None
+    fix_layer_of: dict[int, int] = field(default_factory=dict)
 
     def pool(self, layer_id: int) -> torch.Tensor:
         """The SSM state pool of ``layer_id`` (the pool itself, never a gathered copy)."""
@@ -93,8 +106,10 @@ class CapturePlan:
     stats: dict[str, Any] = field(default_factory=dict)
     lists: ForwardLists | None = None
     n_tails: int = 0
+    n_conv_fixes: int = 0
     copies_done: int = 0
     tail_layers: set[int] = field(default_factory=set)
+    fix_layers: set[int] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
@@ -102,6 +117,7 @@ class CapturePlan:
             self.lists is not None
             and self.copies_done >= self.n_layers
             and (self.n_tails == 0 or len(self.tail_layers) >= self.n_layers)
+            and (self.n_conv_fixes == 0 or len(self.fix_layers) >= self.n_layers)
         )
 
     @property
@@ -196,14 +212,18 @@ def attach(
         logger.error("sparse capture: plan not attached (%s)", e)
         return False
     plan.lists = _merge(backend, md, adds, conv_len, layout, grid)
+    if adds.conv_fix_dst:
+        _conv_fixes(backend, plan.lists, adds, [prefix[n] > 0 for n in adds.conv_fix_rows])
     plan.lists.backend = backend
     plan.lists.copy_ourselves = (
         layout is Layout.FLAT and getattr(forward_batch, "mamba_track_mask", None) is None
     )
     plan.n_tails = adds.n_tails
+    plan.n_conv_fixes = len(adds.conv_fix_dst)
     st = plan.stats
     if st:
         st["capture_tails"] = st.get("capture_tails", 0) + adds.n_tails
+        st["capture_conv_fixes"] = st.get("capture_conv_fixes", 0) + len(adds.conv_fix_dst)
         st["capture_layout"] = layout.value
     return True
 
@@ -282,6 +302,43 @@ def _merge(
     return lists
 
 
+def _conv_fixes(backend: Any, lists: ForwardLists, adds: TrackAdditions, has_prefix: list[bool]) -> None:
+    """The conv fixes of a forward (see :class:`ForwardLists`): columns ``r ..`` of each row's
+    initial conv window (zeros for a row without a prefix, as SGLang's conv kernel takes it), read
+    now, before any layer's conv overwrites the working slots, for every pool layer at once."""
+    stack = backend.req_to_token_pool.mamba_pool.mamba_cache.conv[0]  # [L, S, D, W - 1]
+    width = int(stack.shape[-1])
+    dev = stack.device
+    rows = torch.tensor(adds.conv_fix_rows, dtype=torch.int64, device=dev)
+    working = lists.metadata.mamba_cache_indices.to(torch.int64).index_select(0, rows)
+    init = stack.index_select(1, working)  # [L, F, D, W - 1]
+    keep = torch.tensor(has_prefix, dtype=torch.bool, device=dev)
+    init = init * keep.view(1, -1, 1, 1).to(init.dtype)
+    r = torch.tensor(adds.conv_fix_offsets, dtype=torch.int64, device=dev)
+    cols = torch.arange(width, device=dev)
+    src = (cols.view(1, -1) + r.view(-1, 1)).clamp(max=width - 1)  # [F, W - 1]: column c <- c + r
+    shifted = init.gather(-1, src.view(1, len(adds.conv_fix_rows), 1, width).expand_as(init))
+    lists.fix_mask = (cols.view(1, -1) < (width - r).view(-1, 1)).unsqueeze(1)  # [F, 1, W - 1]
+    lists.fix_cols = shifted
+    lists.fix_dst = backend._translate_mamba_indices(
+        torch.tensor(adds.conv_fix_dst, dtype=torch.int64, device=dev)
+    ).to(torch.int64)
+    lists.fix_layer_of = {int(stack[i].data_ptr()): i for i in range(stack.shape[0])}
+
+
+def fix_conv(lists: ForwardLists, conv: torch.Tensor) -> int | None:
+    """Apply the conv fixes to one layer's conv pool ``conv`` after SGLang's gather wrote the
+    captures' windows; returns its pool layer (None: no fixes, or not a pool layer)."""
+    if lists.fix_dst is None:
+        return None
+    layer = lists.fix_layer_of.get(int(conv.data_ptr()))
+    if layer is None:
+        return None
+    cur = conv[lists.fix_dst]
+    conv[lists.fix_dst] = torch.where(lists.fix_mask, lists.fix_cols[layer].to(cur.dtype), cur)
+    return layer
+
+
 def _split(t: torch.Tensor | None, sizes: list[int]) -> list[torch.Tensor]:
     if t is None:
         return [torch.empty(0, dtype=torch.int64) for _ in sizes]
@@ -324,7 +381,13 @@ def extend_hook(original: Any, self: Any, q, k, v, g, beta, **kwargs: Any) -> An
     plan = forward_plan()
     lists = None if plan is None else plan.lists
     layer_id = kwargs.get("layer_id")
-    if lists is None or layer_id is None or (lists.tail_dst is None and lists.pre_dst is None):
+    if lists is None or layer_id is None:
+        return original(self, q, k, v, g, beta, **kwargs)
+    if lists.fix_dst is not None:  # SGLang's conv gather of this layer ran before its extend
+        layer = fix_conv(lists, lists.req_to_token_pool.mamba2_layer_cache(int(layer_id)).conv[0])
+        if layer is not None:
+            plan.fix_layers.add(layer)
+    if lists.tail_dst is None and lists.pre_dst is None:
         return original(self, q, k, v, g, beta, **kwargs)
     pool = lists.pool(int(layer_id))
     if lists.pre_dst is not None:  # before the kernel overwrites the working slots
@@ -360,6 +423,10 @@ def mixer_hook(original: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     plan = forward_plan()
     lists = None if plan is None else plan.lists
     md = kwargs.get("metadata")
+    if lists is not None and lists.metadata is md and lists.fix_dst is not None:
+        layer = fix_conv(lists, kwargs["layer_cache"].conv[0])
+        if layer is not None:
+            plan.fix_layers.add(layer)
     if lists is not None and lists.copy_ourselves and lists.metadata is md and out[1] is not None:
         base = next(c for c in type(lists.backend).__mro__ if c.__name__ == "MambaAttnBackendBase")
         base._track_mamba_state_extend(

@@ -15,8 +15,10 @@ forward with plain index copies, each written for index lists of any length:
 extra entries of those lists, so SGLang's own copy code writes several states per sequence per
 forward on every device. What it adds per capture at offset ``r`` of row ``n`` (``0 < r <= len_n``):
 
-* conv: ``starts[n] + r - (W - 1) + arange(W - 1)`` (needs ``r >= W - 1``: the window must lie in
-  this extend; :func:`conv_window_fits`);
+* conv: ``starts[n] + r - (W - 1) + arange(W - 1)``; for ``r < W - 1`` the window reaches into the
+  state before the extend: its first ``W - 1 - r`` columns are then a *conv fix* (``conv_fix_*``),
+  columns ``r ..`` of the row's initial conv window, copied after SGLang's gather (the gathered
+  rows before ``starts[n]`` are another row's tokens; indices below 0 are clamped to 0, in bounds);
 * SSM, by the layout of ``h`` (:class:`Layout`):
 
   - ``r == len_n``: the final state (``final``, any layout);
@@ -68,8 +70,9 @@ class TrackAdditions:
     ``final_rows`` / ``pre_rows`` are batch rows: the caller maps them to the rows' working slots.
     ``tail_base`` is ``("h", row)`` or ``("pre", j)`` per tail: where the tail's start state comes
     from (an ``h`` row, or the ``j``-th ``pre`` copy, already in the tail's slot).
-    ``checkpoint_counts``: per batch row, the FlashInfer checkpoints the forward must request
-    (``len_n // grid``), or ``None`` when no capture reads one."""
+    ``conv_fix_*``: the captures whose conv window starts before their extend (``r < W - 1``):
+    batch row, offset, slot. ``checkpoint_counts``: per batch row, the FlashInfer checkpoints the
+    forward must request (``len_n // grid``), or ``None`` when no capture reads one."""
 
     conv_idx: list[list[int]] = field(default_factory=list)
     conv_dst: list[int] = field(default_factory=list)
@@ -86,6 +89,9 @@ class TrackAdditions:
     tail_dst: list[int] = field(default_factory=list)
     tail_tokens: list[int] = field(default_factory=list)
     tail_cu: list[int] = field(default_factory=lambda: [0])
+    conv_fix_rows: list[int] = field(default_factory=list)
+    conv_fix_offsets: list[int] = field(default_factory=list)
+    conv_fix_dst: list[int] = field(default_factory=list)
     checkpoint_counts: list[int] | None = None
 
     @property
@@ -130,8 +136,8 @@ def track_additions(
         layout, grid: where the kernel's per-chunk states are (:class:`Layout`).
 
     Raises:
-        ValueError: mismatched lengths, an offset outside ``(0, len]``, a conv window that does not
-        fit (:func:`conv_window_fits`), an interior capture with :attr:`Layout.NONE`, a grid < 1.
+        ValueError: mismatched lengths, an offset outside ``(0, len]``, an interior capture with
+        :attr:`Layout.NONE`, a grid < 1.
     """
     if not len(rows) == len(offsets) == len(slots):
         raise ValueError(f"{len(rows)} rows, {len(offsets)} offsets, {len(slots)} slots")
@@ -147,11 +153,13 @@ def track_additions(
         if not 0 < r <= lens[n]:
             raise ValueError(f"capture offset {r} outside (0, {lens[n]}] of row {n}")
         if conv_len > 0:
-            if not conv_window_fits(r, conv_len):
-                raise ValueError(f"capture offset {r} < conv window {conv_len} (row {n})")
-            first = starts[n] + r - conv_len
-            out.conv_idx.append(list(range(first, first + conv_len)))
+            first = starts[n] + r - conv_len  # < starts[n]: columns the conv fix replaces
+            out.conv_idx.append([max(i, 0) for i in range(first, first + conv_len)])
             out.conv_dst.append(d)
+            if not conv_window_fits(r, conv_len):
+                out.conv_fix_rows.append(n)
+                out.conv_fix_offsets.append(r)
+                out.conv_fix_dst.append(d)
         if r == lens[n]:
             out.final_rows.append(n)
             out.final_dst.append(d)

@@ -79,6 +79,9 @@ class _FlashInferLike:
 
 
 def _run(lens: list[int], caps: list[tuple[int, int]], *, flashinfer: bool = False, seed: int = 0):
+    """``caps``: ``(row, offset)``; rows resume from a prefix of 100 tokens but row 1 (a fresh
+    request: zero SSM state, SGLang clears it; its conv slot left stale, the conv kernel and the
+    capture must treat it as zeros)."""
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
     from sglang.srt.layers.attention.mamba.mamba2_metadata import ForwardMetadata
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -93,10 +96,15 @@ def _run(lens: list[int], caps: list[tuple[int, int]], *, flashinfer: bool = Fal
     work = torch.arange(1, n + 1, dtype=torch.int32)  # working slots
     n_slots = n + len(caps) + 2
     pools = [torch.zeros(n_slots, HV, V, K) for _ in range(LAYERS)]
-    convs = [torch.zeros(n_slots, dim, W - 1) for _ in range(LAYERS)]
+    conv_stack = torch.zeros(LAYERS, n_slots, dim, W - 1)  # SGLang's conv pool: [layers, slots, D, W - 1]
+    convs = [conv_stack[lid] for lid in range(LAYERS)]
     inits, conv_inits = [], []
+    prefix = [0 if i == 1 else 100 for i in range(n)]
     for lid in range(LAYERS):
         pools[lid][1 : n + 1] = torch.randn(n, HV, V, K, generator=gen) * 0.3
+        for i in range(n):
+            if not prefix[i]:
+                pools[lid][1 + i] = 0
         convs[lid][1 : n + 1] = torch.randn(n, dim, W - 1, generator=gen)
         inits.append(pools[lid][1 : n + 1].clone())
         conv_inits.append(convs[lid][1 : n + 1].clone())
@@ -115,7 +123,8 @@ def _run(lens: list[int], caps: list[tuple[int, int]], *, flashinfer: bool = Fal
         mamba_chunk_size=64,
         conv_states_shape=convs[0].shape[1:],
         req_to_token_pool=types.SimpleNamespace(
-            mamba2_layer_cache=lambda lid: types.SimpleNamespace(temporal=pools[lid], conv=[convs[lid]])
+            mamba2_layer_cache=lambda lid: types.SimpleNamespace(temporal=pools[lid], conv=[convs[lid]]),
+            mamba_pool=types.SimpleNamespace(mamba_cache=types.SimpleNamespace(conv=[conv_stack])),
         ),
         kernel_dispatcher=types.SimpleNamespace(extend_kernel=kernel),
         forward_metadata=ForwardMetadata(query_start_loc=qsl, mamba_cache_indices=work),
@@ -125,13 +134,13 @@ def _run(lens: list[int], caps: list[tuple[int, int]], *, flashinfer: bool = Fal
     )
     backend._translate_mamba_indices = lambda t: t
     batch = types.SimpleNamespace(
-        forward_mode=ForwardMode.EXTEND, extend_prefix_lens_cpu=[100] * n, extend_seq_lens_cpu=list(lens)
+        forward_mode=ForwardMode.EXTEND, extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=list(lens)
     )
     plan = tc.CapturePlan(
         rows=[c[0] for c in caps],
         offsets=[c[1] for c in caps],
         slots=slots,
-        geometry={r: (100, lens[r]) for r, _ in caps},
+        geometry={r: (prefix[r], lens[r]) for r, _ in caps},
         n_layers=LAYERS,
         stats={},
     )
@@ -150,7 +159,7 @@ def _run(lens: list[int], caps: list[tuple[int, int]], *, flashinfer: bool = Fal
             conv,
             qsl,
             work,
-            torch.ones(n, dtype=torch.bool),
+            torch.tensor(prefix) > 0,
             True,
         )
         extend = type(kernel).extend
@@ -166,7 +175,7 @@ def _run(lens: list[int], caps: list[tuple[int, int]], *, flashinfer: bool = Fal
     assert plan.complete and tc.forward_plan() is None
     return dict(
         pools=pools, convs=convs, inits=inits, conv_inits=conv_inits, mixed=mixed, k=k, v=v, g=g,
-        beta=beta, qsl=qsl.tolist(), slots=slots, plan=plan, md=md, kernel=kernel,
+        beta=beta, qsl=qsl.tolist(), slots=slots, plan=plan, md=md, kernel=kernel, prefix=prefix,
     )  # fmt: skip
 
 
@@ -186,15 +195,23 @@ def _check(r: dict, caps: list[tuple[int, int]], tol: float = 1e-4) -> None:
             got = r["pools"][lid][slot].double()
             err = (got - want).abs().max().item() / want.abs().max().item()
             assert err < tol, (row, off, lid, err)
-            # conv: the last W - 1 pre-conv inputs before the position, exactly
-            conv_want = r["mixed"][lo + off - (W - 1) : lo + off].t()
+            # conv: the last W - 1 pre-conv inputs before the position, exactly (reaching into
+            # the initial window, or zeros without a prefix, within W - 1 tokens of the start)
+            init = r["conv_inits"][lid][row] * (r["prefix"][row] > 0)
+            conv_want = torch.cat([init, r["mixed"][lo : lo + off].t()], dim=1)[:, -(W - 1) :]
             assert torch.equal(r["convs"][lid][slot], conv_want), (row, off, lid)
 
 
 CASES = {
-    # on the 64-grid, off it (tails, one from h row 0: the initial state), the extend end (final)
-    "mixed": ([150, 64, 200], [(0, 64), (0, 100), (0, 150), (1, 30), (1, 64), (2, 3), (2, 128), (2, 199)]),
+    # on the 64-grid, off it (tails, one from h row 0: the initial state), the extend end (final),
+    # within W - 1 tokens of the extend start (the conv window reaches into the initial window)
+    "mixed": (
+        [150, 64, 200],
+        [(0, 2), (0, 64), (0, 100), (0, 150), (1, 1), (1, 30), (1, 64), (2, 3), (2, 128), (2, 199)],
+    ),
     "single_long": ([700], [(0, 64), (0, 333), (0, 512), (0, 700)]),
+    # a one-token extend captured at its end: the window is the initial one shifted by a token
+    "one_token": ([1], [(0, 1)]),
 }
 
 
@@ -215,6 +232,9 @@ def test_flashinfer_layout(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     lens, caps = CASES[case]
     r = _run(lens, caps, flashinfer=True)
     _check(r, caps)
+    if all(off == lens[row] for row, off in caps):  # only final states: no checkpoint is asked for
+        assert r["kernel"].asked == [] and r["md"].num_state_checkpoints == 0
+        return
     (cu, n_ck, every), *_ = r["kernel"].asked
     assert every == 64 and cu == [0, *torch.tensor([x // 64 for x in lens]).cumsum(0).tolist()]
     assert n_ck == cu[-1]

@@ -229,3 +229,44 @@ def test_300_turn_session_on_mamba2(model_dir: Path, reference: NoCacheReference
     assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
     assert s["captures_incomplete"] == 0 and s["cuts_applied"] == 0, s
     assert mismatches(chain, reference.generate, sample_turns(TURNS, head=4, every=75), [0]) == []
+
+
+OTHER_FAMILIES = ("falcon_h1", "granite_moe_hybrid")
+
+
+@pytest.mark.parametrize("arch", OTHER_FAMILIES)
+def test_other_mamba2_families(arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Falcon-H1 (attention and Mamba2 in every layer) and Granite-4.0-H: every pattern on
+    no_buffer and on extra_buffer (page 16), then on the extra_buffer server the 500-request storm
+    with aborts and a 300-turn session; tokens identical to the family's no-cache server on all of
+    it, captures published with none incomplete and no cut, nothing leaked at idle."""
+    ref = NoCacheReference(tmp_path_factory.mktemp(f"nocache_{arch}"), arch=arch, **MODEL)
+    try:
+        want = patterns(ref)["outputs"]
+        for strategy, extra in (("no_buffer", SPARSE), ("extra_buffer", ["--page-size", str(PAGE), *SPARSE])):
+            with _server(ref.model_dir, strategy, extra, state_slots=30) as srv:
+                got = patterns(srv)
+                assert got["outputs"] == want, (arch, strategy)
+                if strategy == "extra_buffer":
+                    prompts = storm_prompts(STORM, toks)
+                    done = run_storm(srv, prompts)
+                    assert srv.alive(), srv.log_tail()
+                    srv.wait_sparse_idle()
+                    chain = run_sessions(lambda p, n: srv.generate(p, n), sessions=1, turns=TURNS, seed=1)
+                s = srv.wait_sparse_idle()
+                log = srv.log_tail(5_000_000)
+            print(
+                f"{arch} {strategy}:", {k: v for k, v in s.items() if "capture" in k or k == "cuts_applied"}
+            )
+            assert s["capture_layout"] == "flat" and s["captures_published"] > 0, s
+            assert s["captures_incomplete"] == 0 and s["captures_pending"] == 0 and s["cuts_applied"] == 0, s
+            assert_one_tree(s)
+            assert s["kv_protected"] == 0 and s["mamba_protected"] == 0, s
+            assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
+            assert "leaked_mamba_pages={" not in log and "Traceback" not in log
+        assert len(done) >= STORM // 2, len(done)
+        assert done == {k: ref.generate(prompts[k], new_tokens(k)).output_ids for k in sorted(done)}
+        assert sum(chain.cached[0][1:]) >= 0.9 * sum(len(p) for p in chain.prompts[0][1:])
+        assert mismatches(chain, ref.generate, sample_turns(TURNS, head=4, every=75), [0]) == []
+    finally:
+        ref.stop()
