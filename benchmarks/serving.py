@@ -19,7 +19,14 @@ verbatim), truncated to the context; requests sharing a head prefix still share 
 prefix, their distinct tails stay distinct. Ids are remapped into the model vocabulary by a fixed
 multiplicative hash. Multi-turn traces lose part of their turn-extends-turn structure under this map.
 
-Outputs: ``benchmarks/results/serving.json`` and ``benchmarks/results/serving.png``.
+Outputs: ``benchmarks/results/serving.json`` and ``benchmarks/results/serving.png``. ``ttft_fit``:
+the no-cache server's affine fit of TTFT on prefilled tokens and, per configuration and trace, the
+requests above 3x that fit at their own prefilled tokens (the stalls a cached configuration
+would add; on a quiet machine there are none); per request ``queue_s`` / ``forward_s`` (SGLang's
+``ReqTimeStats``: queue wait, first forward to completion; the rest of the TTFT is HTTP, tokenizer
+and detokenizer); per trace ``foreign_load``: CPU seconds other processes took during the run and
+their share of the machine (a warning above 10%: slices run beside another benchmark show 1-13 s
+TTFTs even without a cache).
 
     python benchmarks/serving.py --quick   # < 5 min: sparse vs native_eb, native, no cache; 8 requests
     python benchmarks/serving.py           # + sparse_nb, marconi, lru; 60 requests per trace
@@ -49,6 +56,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -145,7 +154,14 @@ def run_config(
     base, strategy_env = strategy_setup(strategy)
     srv = SGLangServer(
         model_dir,
-        extra_args=["--chunked-prefill-size", str(CHUNK), "--mem-fraction-static", "0.3", *extra],
+        extra_args=[
+            "--chunked-prefill-size",
+            str(CHUNK),
+            "--mem-fraction-static",
+            "0.3",
+            "--enable-request-time-stats-logging",  # each request's queue and forward time (the log)
+            *extra,
+        ],
         env={"SGLANG_SPARSE_LOG_EVERY": "0", **strategy_env, **env},
         base_args=base,
         context_length=context,
@@ -159,10 +175,11 @@ def run_config(
         srv.generate([5, 6, 7], 1)  # warm-up outside the measurement
         for tname, reqs in traces.items():
             srv.flush_cache()
+            load = ForeignLoad(srv)
             rows = []
-            for p in reqs:
+            for i, p in enumerate(reqs):
                 t0 = time.perf_counter()
-                r = srv.generate(p, 1)
+                r = srv.generate(p, 1, rid=f"{tname}-{i}")
                 rows.append(
                     {
                         "ttft": time.perf_counter() - t0,
@@ -176,10 +193,72 @@ def run_config(
             if extra and extra[0] == "--radix-cache-backend":
                 info = requests.get(f"{srv.url}/server_info", timeout=60).json()
                 stats = info["internal_states"][0].get("sparse_cache")
-            out[tname] = {"rows": rows, "sparse_stats": stats}
+            foreign = load.stop()
+            out[tname] = {"rows": rows, "sparse_stats": stats, "foreign_load": foreign}
+            if foreign["share"] > FOREIGN_LOAD_WARN:
+                print(
+                    f"warning: {name}/{tname}: other processes used {foreign['share']:.0%} of the "
+                    "machine's CPU during the run: its TTFT says little about speed",
+                    file=sys.stderr,
+                )
+        timeline = parse_time_stats(Path(srv.log_path).read_text(errors="replace"))
+        for tname in traces:
+            for i, row in enumerate(out[tname]["rows"]):
+                row["queue_s"], row["forward_s"] = timeline.get(f"{tname}-{i}", (None, None))
     finally:
         srv.stop()
     return out
+
+
+#: share of the machine's CPU time used by processes other than the server and this benchmark
+#: above which a run's TTFT is flagged (a sequential slice run beside another benchmark stalls)
+FOREIGN_LOAD_WARN = 0.10
+
+
+class ForeignLoad:
+    """CPU seconds the rest of the machine (every process but ``srv``'s tree and this benchmark's)
+    spends between construction and :meth:`stop`; ``share`` = that over the wall time x CPUs."""
+
+    def __init__(self, srv: Any) -> None:
+        from benchmarks.serving_load import server_cpu
+        from benchmarks.stats import busy_cpu_seconds, own_cpu_seconds
+
+        self._srv, self._server_cpu, self._busy, self._own = (
+            srv,
+            server_cpu,
+            busy_cpu_seconds,
+            own_cpu_seconds,
+        )
+        self._t0 = time.perf_counter()
+        self._busy0, self._own0 = busy_cpu_seconds(), own_cpu_seconds()
+        self._server0 = server_cpu(srv)["tree"]
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self._t0
+        busy = self._busy() - self._busy0
+        server = self._server_cpu(self._srv)["tree"] - self._server0
+        own = self._own() - self._own0
+        foreign = max(busy - server - own, 0.0)
+        cpus = os.cpu_count() or 1
+        return {
+            "wall_s": wall,
+            "foreign_cpu_s": foreign,
+            "server_cpu_s": server,
+            "share": foreign / (wall * cpus),
+        }
+
+
+_TIME_STATS = re.compile(
+    r"ReqTimeStats\(rid=([^,]+),.*?queue_duration=([0-9.]+)ms, forward_duration=([0-9.]+)ms"
+)
+
+
+def parse_time_stats(log: str) -> dict[str, tuple[float, float]]:
+    """``rid -> (queue s, forward s)`` from the scheduler's ``ReqTimeStats`` log lines
+    (``--enable-request-time-stats-logging``): the time a request waited in SGLang's queue and the
+    time from its first forward to its completion. The rest of a client-side TTFT is the HTTP,
+    tokenizer and detokenizer path."""
+    return {m[1]: (float(m[2]) / 1e3, float(m[3]) / 1e3) for m in _TIME_STATS.finditer(log)}
 
 
 def ideal_prefilled(prompts: list[list[int]]) -> int:
@@ -266,6 +345,46 @@ def summarize(results: dict, trace_names: list[str], ideal: dict[str, int] | Non
             }
         summary[tname] = s
     return summary
+
+
+#: a request whose TTFT exceeds this many times the no-cache affine fit at its prefilled tokens is
+#: an outlier (issue 46: the stalls of the sequential slices)
+OUTLIER_FACTOR = 3.0
+
+
+def ttft_fit(results: dict, trace_names: list[str]) -> dict[str, Any]:
+    """The affine fit ``TTFT = a + b * prefilled tokens`` of the no-cache server's requests (every
+    trace; each is one prefill of its whole prompt and one sampled token), and per configuration
+    and trace the requests whose TTFT exceeds :data:`OUTLIER_FACTOR` x the fit at their prefilled
+    tokens (``(index, ttft s, prefilled, ratio)``) with the largest ratio. Seconds, tokens."""
+    from scipy.stats import linregress
+
+    xs, ys = [], []
+    for t in trace_names:
+        for r in results["nocache"][t]["rows"]:
+            xs.append(r["prompt"] - r["cached"])
+            ys.append(r["ttft"])
+    fit = linregress(xs, ys)
+    a, b = float(fit.intercept), float(fit.slope)
+    out: dict[str, Any] = {
+        "intercept_s": a,
+        "slope_s_per_token": b,
+        "r2": float(fit.rvalue**2),
+        "configs": {},
+    }
+    for cname, res in results.items():
+        per: dict[str, Any] = {}
+        for t in trace_names:
+            ratios = []
+            for i, r in enumerate(res[t]["rows"]):
+                pre = r["prompt"] - r["cached"]
+                ratios.append((i, r["ttft"], pre, r["ttft"] / max(a + b * pre, 1e-6)))
+            per[t] = {
+                "max_ratio": max(x[3] for x in ratios),
+                "outliers": [list(x) for x in ratios if x[3] > OUTLIER_FACTOR],
+            }
+        out["configs"][cname] = per
+    return out
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -564,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     ideal = {t: ideal_prefilled(v) for t, v in traces.items()}
     summary = summarize(results, trace_names, ideal)
+    fit = ttft_fit(results, trace_names)
     doc = {
         "model": {"arch": args.arch, "size": args.size, "path": str(model_dir), **overrides},
         "quick": args.quick,
@@ -576,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "wall_seconds": time.time() - t0,
         "summary": summary,
+        "ttft_fit": fit,
         "raw": results,
     }
     args.out.write_text(json.dumps(doc, indent=1))
@@ -601,6 +722,16 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"  perfect-saving share {share:.0%}" if share is not None else "")
                 + f"  prefixes worse: {len(worse)}"
             )
+    print(
+        f"TTFT fit (no cache): {fit['intercept_s'] * 1e3:.1f} ms + "
+        f"{fit['slope_s_per_token'] * 1e6:.1f} us/token (r2 {fit['r2']:.2f}); "
+        f"requests above {OUTLIER_FACTOR:g}x the fit at their prefilled tokens:"
+    )
+    for cname, per in fit["configs"].items():
+        worst = max(v["max_ratio"] for v in per.values())
+        n_out = sum(len(v["outliers"]) for v in per.values())
+        busy = max(results[cname][t]["foreign_load"]["share"] for t in trace_names)
+        print(f"  {cname:9s} {n_out} (largest ratio {worst:.2f}); other processes' CPU share <= {busy:.1%}")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')} in {time.time() - t0:.0f}s")
     return 0
 

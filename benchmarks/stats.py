@@ -151,6 +151,26 @@ def bootstrap_ci(
     return float(ci.low), float(ci.high)
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds all processes of the machine spent busy so far (user + system + nice + irq +
+    softirq + steal, summed over the CPUs: psutil's ``cpu_times``)."""
+    t = psutil.cpu_times()
+    return float(sum(getattr(t, f, 0.0) for f in ("user", "system", "nice", "irq", "softirq", "steal")))
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and its live children so far."""
+    me = psutil.Process()
+    total = 0.0
+    for p in (me, *me.children(recursive=True)):
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def mem_available_gb() -> float:
     """Memory available to new processes (GB, psutil's ``available``)."""
     return psutil.virtual_memory().available / 1e9

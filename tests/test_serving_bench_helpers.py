@@ -90,3 +90,39 @@ def test_hicache_summary_acceptance() -> None:
     a = hicache_summary(results)["acceptance"]
     assert a["sparse_hicache_never_above_native_eb_hicache"] and a["first_prefix_above"] is None
     assert not a["tokens_equal_nocache"]
+
+
+def test_ttft_fit_names_requests_far_above_the_no_cache_line() -> None:
+    """The no-cache server's TTFT is fit as ``a + b * prefilled``; a cached configuration's request
+    is an outlier when its TTFT exceeds 3x the line at its own prefilled tokens."""
+    from benchmarks.serving import ttft_fit
+
+    def row(prompt: int, cached: int, ttft: float) -> dict:
+        return {"prompt": prompt, "cached": cached, "ttft": ttft, "token": [1]}
+
+    line = lambda n: 0.03 + 70e-6 * n  # noqa: E731 - 30 ms + 70 us/token
+    nocache = [row(n, 0, line(n)) for n in (100, 400, 800, 1600)]
+    cached = [row(900, 800, line(100)), row(900, 850, 4 * line(50)), row(900, 0, 2.5 * line(900))]
+    fit = ttft_fit({"nocache": {"t": {"rows": nocache}}, "sparse": {"t": {"rows": cached}}}, ["t"])
+    assert abs(fit["intercept_s"] - 0.03) < 1e-9 and abs(fit["slope_s_per_token"] - 70e-6) < 1e-12
+    assert fit["r2"] > 0.999
+    out = fit["configs"]["sparse"]["t"]
+    assert [o[0] for o in out["outliers"]] == [1] and abs(out["max_ratio"] - 4.0) < 1e-9
+    assert fit["configs"]["nocache"]["t"]["outliers"] == []
+
+
+def test_parse_time_stats_reads_sglangs_request_time_lines() -> None:
+    from benchmarks.serving import parse_time_stats
+
+    log = (
+        "[2026-12-02 03:00:00] ReqTimeStats(rid=doc_qa-3, input_len=936, cached_input_len=832, "
+        "output_len=1, attempts=1, type=unified): queue_duration=1.25ms, forward_duration=40.50ms, "
+        "entry_time=2026-12-02 03:00:00.000\n"
+        "[2026-12-02 03:00:01] Prefill batch, #new-seq: 1\n"
+        "[2026-12-02 03:00:02] ReqTimeStats(rid=system_prompts-10, input_len=5, cached_input_len=0, "
+        "output_len=1, attempts=1, type=unified): queue_duration=0.10ms, "
+        "forward_duration=3.00ms, entry_time=x\n"
+    )
+    got = parse_time_stats(log)
+    assert got.keys() == {"doc_qa-3", "system_prompts-10"}
+    assert got["doc_qa-3"] == (0.00125, 0.0405) and got["system_prompts-10"] == (0.0001, 0.003)
