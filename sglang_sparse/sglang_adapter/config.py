@@ -24,6 +24,10 @@ ENV_PREFIX = "SGLANG_SPARSE_"
 #: default ``min_cut_gain`` on the chunk-cut capture path (tokens; an extra forward costs ~50-80)
 CUT_MIN_GAIN = 32
 CONFIG_ENV = "SGLANG_SPARSE_CONFIG"
+#: the project's variables under :data:`ENV_PREFIX` that are not backend options, so the strict
+#: option check lets them through: the traces' data directory (``sglang_sparse.traces.data``) and
+#: the CPU platform's device-activity switch (``sgl_kernel_cpu/sglang_platform.py``)
+NON_OPTION_ENV = frozenset({"SGLANG_SPARSE_DATA", "SGLANG_SPARSE_CPU_NO_DEVICE_ACTIVITY"})
 
 
 class SparseConfigError(ValueError):
@@ -92,7 +96,10 @@ class SparseConfig:
         unknown = sorted(
             v
             for v in env
-            if v.startswith(ENV_PREFIX) and v != CONFIG_ENV and v[len(ENV_PREFIX) :].lower() not in _FIELDS
+            if v.startswith(ENV_PREFIX)
+            and v != CONFIG_ENV
+            and v not in NON_OPTION_ENV
+            and v[len(ENV_PREFIX) :].lower() not in _FIELDS
         )
         if unknown:
             raise SparseConfigError(

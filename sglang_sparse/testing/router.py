@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sglang_sparse.testing.orphan_guard import guarded
 from sglang_sparse.testing.server import ServerError, _tail, free_port
 
 #: routing policies of ``sglang_router`` that the project benchmarks (the router has more)
@@ -99,7 +100,7 @@ class Router:
         t0 = time.monotonic()
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed in stop()
         self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            guarded(self.cmd), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
         while True:
             if self.proc.poll() is not None:

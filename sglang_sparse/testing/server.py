@@ -7,7 +7,9 @@
         out.output_ids, out.cached_tokens
 
 The server runs in its own process group on a free loopback port; :meth:`SGLangServer.stop` kills
-the whole group. Start-up failures raise :class:`ServerError` carrying the tail of the server log.
+the whole group, and :mod:`~sglang_sparse.testing.orphan_guard` kills it when the launching process
+dies without stopping it (pytest killed mid-test). Start-up failures raise :class:`ServerError`
+carrying the tail of the server log.
 Why not SGLang's test helpers: ``docs/sparse_backend.md``, "Test harness".
 """
 
@@ -26,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sglang_sparse.testing.orphan_guard import guarded
 
 #: Flags that make SGLang 0.5.23 serve a hybrid GDN model on a CPU without AMX, up to the Mamba
 #: radix-cache strategy's name (:data:`CPU_SERVER_ARGS`, :data:`CPU_EXTRA_BUFFER_SERVER_ARGS`).
@@ -240,7 +244,7 @@ class SGLangServer:
         log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
         self._log = log
         self.proc = subprocess.Popen(
-            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            guarded(self.cmd), stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
         deadline = t0 + timeout
         while True:

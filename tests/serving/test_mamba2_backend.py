@@ -232,14 +232,17 @@ def test_300_turn_session_on_mamba2(model_dir: Path, reference: NoCacheReference
 
 
 OTHER_FAMILIES = ("falcon_h1", "granite_moe_hybrid")
+#: the other families' storm (requests) and session (turns)
+OTHER_STORM, OTHER_TURNS = STORM // 4, TURNS // 3
 
 
 @pytest.mark.parametrize("arch", OTHER_FAMILIES)
 def test_other_mamba2_families(arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Falcon-H1 (attention and Mamba2 in every layer) and Granite-4.0-H: every pattern on
-    no_buffer and on extra_buffer (page 16), then on the extra_buffer server the 500-request storm
-    with aborts and a 300-turn session; tokens identical to the family's no-cache server on all of
-    it, captures published with none incomplete and no cut, nothing leaked at idle."""
+    no_buffer and on extra_buffer (page 16), then on the extra_buffer server a storm with aborts and
+    a long session, each a quarter / a third of Nemotron-H's (the same code path: their sizes keep
+    CI under its hour); tokens identical to the family's no-cache server on all of it, captures
+    published with none incomplete and no cut, nothing leaked at idle."""
     ref = NoCacheReference(tmp_path_factory.mktemp(f"nocache_{arch}"), arch=arch, **MODEL)
     try:
         want = patterns(ref)["outputs"]
@@ -248,11 +251,13 @@ def test_other_mamba2_families(arch: str, tmp_path_factory: pytest.TempPathFacto
                 got = patterns(srv)
                 assert got["outputs"] == want, (arch, strategy)
                 if strategy == "extra_buffer":
-                    prompts = storm_prompts(STORM, toks)
+                    prompts = storm_prompts(OTHER_STORM, toks)
                     done = run_storm(srv, prompts)
                     assert srv.alive(), srv.log_tail()
                     srv.wait_sparse_idle()
-                    chain = run_sessions(lambda p, n: srv.generate(p, n), sessions=1, turns=TURNS, seed=1)
+                    chain = run_sessions(
+                        lambda p, n: srv.generate(p, n), sessions=1, turns=OTHER_TURNS, seed=1
+                    )
                 s = srv.wait_sparse_idle()
                 log = srv.log_tail(5_000_000)
             print(
@@ -264,9 +269,9 @@ def test_other_mamba2_families(arch: str, tmp_path_factory: pytest.TempPathFacto
             assert s["kv_protected"] == 0 and s["mamba_protected"] == 0, s
             assert s["mamba_available"] + s["states_held"] == s["mamba_pool_size"], s
             assert "leaked_mamba_pages={" not in log and "Traceback" not in log
-        assert len(done) >= STORM // 2, len(done)
+        assert len(done) >= OTHER_STORM // 2, len(done)
         assert done == {k: ref.generate(prompts[k], new_tokens(k)).output_ids for k in sorted(done)}
         assert sum(chain.cached[0][1:]) >= 0.9 * sum(len(p) for p in chain.prompts[0][1:])
-        assert mismatches(chain, ref.generate, sample_turns(TURNS, head=4, every=75), [0]) == []
+        assert mismatches(chain, ref.generate, sample_turns(OTHER_TURNS, head=4, every=25), [0]) == []
     finally:
         ref.stop()
