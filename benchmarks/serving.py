@@ -70,6 +70,8 @@ if str(ROOT) not in sys.path:  # run as a script: `python benchmarks/serving.py`
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import RESULTS, bar, pyplot, results_dir, save  # noqa: E402
+from benchmarks.serving_load import server_cpu  # noqa: E402
+from benchmarks.stats import busy_cpu_seconds, own_cpu_seconds  # noqa: E402
 
 TRACES = ROOT / "traces" / "build"
 
@@ -216,28 +218,21 @@ FOREIGN_LOAD_WARN = 0.10
 
 
 class ForeignLoad:
-    """CPU seconds the rest of the machine (every process but ``srv``'s tree and this benchmark's)
-    spends between construction and :meth:`stop`; ``share`` = that over the wall time x CPUs."""
+    """CPU seconds the rest of the machine (every process but ``srv``'s tree and this benchmark's
+    own process) spends between construction and :meth:`stop`; ``share`` = that over the wall time
+    x CPUs."""
 
     def __init__(self, srv: Any) -> None:
-        from benchmarks.serving_load import server_cpu
-        from benchmarks.stats import busy_cpu_seconds, own_cpu_seconds
-
-        self._srv, self._server_cpu, self._busy, self._own = (
-            srv,
-            server_cpu,
-            busy_cpu_seconds,
-            own_cpu_seconds,
-        )
+        self._srv = srv
         self._t0 = time.perf_counter()
         self._busy0, self._own0 = busy_cpu_seconds(), own_cpu_seconds()
         self._server0 = server_cpu(srv)["tree"]
 
     def stop(self) -> dict[str, float]:
         wall = time.perf_counter() - self._t0
-        busy = self._busy() - self._busy0
-        server = self._server_cpu(self._srv)["tree"] - self._server0
-        own = self._own() - self._own0
+        busy = busy_cpu_seconds() - self._busy0
+        server = server_cpu(self._srv)["tree"] - self._server0
+        own = own_cpu_seconds() - self._own0
         foreign = max(busy - server - own, 0.0)
         cpus = os.cpu_count() or 1
         return {

@@ -159,16 +159,10 @@ def busy_cpu_seconds() -> float:
 
 
 def own_cpu_seconds() -> float:
-    """CPU seconds (user + system) of this process and its live children so far."""
-    me = psutil.Process()
-    total = 0.0
-    for p in (me, *me.children(recursive=True)):
-        try:
-            t = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system
-    return total
+    """CPU seconds (user + system) of this process alone so far: not its children, so a server it
+    launched is counted once, by whoever measures that server's tree."""
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
 
 
 def mem_available_gb() -> float:

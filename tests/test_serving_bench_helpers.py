@@ -126,3 +126,29 @@ def test_parse_time_stats_reads_sglangs_request_time_lines() -> None:
     got = parse_time_stats(log)
     assert got.keys() == {"doc_qa-3", "system_prompts-10"}
     assert got["doc_qa-3"] == (0.00125, 0.0405) and got["system_prompts-10"] == (0.0001, 0.003)
+
+
+def test_foreign_load_counts_other_processes_and_the_server_once() -> None:
+    """A busy process that is not the server is foreign load even when this benchmark launched it;
+    the server's CPU is its own column, not subtracted twice (which hid all foreign load)."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from benchmarks.serving import ForeignLoad
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\ntime.sleep(30)"
+    server = subprocess.Popen([sys.executable, "-c", busy])
+    other = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        load = ForeignLoad(SimpleNamespace(proc=server))
+        time.sleep(2.5)
+        got = load.stop()
+    finally:
+        for p in (server, other):
+            p.kill()
+            p.wait()
+    assert got["server_cpu_s"] > 0.5, got
+    assert got["foreign_cpu_s"] > 0.5, got
+    assert 0 < got["share"] <= 1, got

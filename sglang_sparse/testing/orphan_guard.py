@@ -16,7 +16,6 @@ and the benchmarks start servers from thread pools, so a pool's shutdown would k
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -32,21 +31,6 @@ def guarded(cmd: Sequence[str], owner_pid: int | None = None) -> list[str]:
     """``cmd`` wrapped by the guard, owned by ``owner_pid`` (default: this process)."""
     owner = os.getpid() if owner_pid is None else owner_pid
     return [sys.executable, "-m", "sglang_sparse.testing.orphan_guard", str(owner), "--", *cmd]
-
-
-def kill_group_but_tracker(pgid: int, grace_s: float = 5.0) -> None:
-    """SIGKILL the live processes of group ``pgid`` except multiprocessing's resource tracker and
-    this process, then give the tracker up to ``grace_s`` seconds to clean up and exit."""
-    from sglang_sparse.testing.server import _group
-
-    me = os.getpid()
-    for pid, cmd in _group(pgid).items():
-        if pid != me and "multiprocessing.resource_tracker" not in cmd:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + grace_s
-    while set(_group(pgid)) - {me} and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -71,6 +55,8 @@ def main(argv: Sequence[str]) -> int:
         if rc is not None:
             return rc
         if stop or os.getppid() != owner:
+            from sglang_sparse.testing.server import kill_group_but_tracker
+
             kill_group_but_tracker(os.getpgid(0))
             return 137
         time.sleep(POLL_S)

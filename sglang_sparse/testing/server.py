@@ -167,6 +167,20 @@ def _group(pgid: int) -> dict[int, str]:
     return out
 
 
+def kill_group_but_tracker(pgid: int, grace_s: float = 5.0) -> None:
+    """SIGKILL the live processes of group ``pgid`` except multiprocessing's resource tracker (which
+    then unlinks what they registered) and the calling process, then give the tracker up to
+    ``grace_s`` seconds to clean up and exit."""
+    me = os.getpid()
+    for pid, cmd in _group(pgid).items():
+        if pid != me and "multiprocessing.resource_tracker" not in cmd:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while set(_group(pgid)) - {me} and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _mapped_shm(pids: Sequence[int]) -> set[str]:
     """The ``/dev/shm`` files mapped by ``pids``."""
     out: set[str] = set()
@@ -271,17 +285,10 @@ class SGLangServer:
         before stopping."""
         proc, self.proc = self.proc, None
         if proc is not None:
-            group = _group(proc.pid) if proc.poll() is None else {}
-            shm = _mapped_shm(list(group))
-            for pid, cmd in group.items():
-                if "multiprocessing.resource_tracker" not in cmd:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGKILL)
+            shm = _mapped_shm(list(_group(proc.pid))) if proc.poll() is None else set()
+            kill_group_but_tracker(proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            deadline = time.monotonic() + 5
-            while _group(proc.pid) and time.monotonic() < deadline:  # the tracker's clean-up
-                time.sleep(0.05)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             for path in shm:
