@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from sglang_sparse.testing.orphan_guard import POLL_S, guarded
-from sglang_sparse.testing.server import _group
+from sglang_sparse.testing.process_group import live_group
 
 #: a stand-in server: answers /health on the port in argv[1] and keeps a child of its own alive
 #: (SGLang's scheduler and detokenizer are the launcher's children)
@@ -47,7 +47,7 @@ OWNER = textwrap.dedent(
 
 def _wait_gone(pgid: int, timeout: float) -> dict[int, str]:
     deadline = time.monotonic() + timeout
-    while (left := _group(pgid)) and time.monotonic() < deadline:
+    while (left := live_group(pgid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
@@ -60,9 +60,9 @@ def test_sigkilled_owner_leaves_no_server_behind(tmp_path: Path) -> None:
         assert owner.stdout is not None
         pgid = int(owner.stdout.readline())
         deadline = time.monotonic() + 30
-        while len(_group(pgid)) < 3 and time.monotonic() < deadline:  # guard, server, its child
+        while len(live_group(pgid)) < 3 and time.monotonic() < deadline:  # guard, server, its child
             time.sleep(0.1)
-        assert len(_group(pgid)) >= 3, _group(pgid)
+        assert len(live_group(pgid)) >= 3, live_group(pgid)
         owner.send_signal(signal.SIGKILL)
         owner.wait(timeout=10)
         left = _wait_gone(pgid, timeout=10 * POLL_S + 5)
@@ -79,9 +79,9 @@ def test_guard_returns_the_commands_code_and_sigterm_kills_the_group() -> None:
         guarded([sys.executable, "-c", "import time; time.sleep(600)"]), start_new_session=True
     )
     deadline = time.monotonic() + 30
-    while len(_group(proc.pid)) < 2 and time.monotonic() < deadline:
+    while len(live_group(proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(_group(proc.pid)) == 2
+    assert len(live_group(proc.pid)) == 2
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=10) == 137
     assert not _wait_gone(proc.pid, timeout=5)

@@ -23,6 +23,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from sglang_sparse.testing.process_group import kill_group_but_tracker
+
 #: Seconds between checks of the owner (the longest an orphaned server lives).
 POLL_S = 0.5
 
@@ -55,8 +57,6 @@ def main(argv: Sequence[str]) -> int:
         if rc is not None:
             return rc
         if stop or os.getppid() != owner:
-            from sglang_sparse.testing.server import kill_group_but_tracker
-
             kill_group_but_tracker(os.getpgid(0))
             return 137
         time.sleep(POLL_S)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_sparse.testing.orphan_guard import guarded
+from sglang_sparse.testing.process_group import kill_group_but_tracker, live_group
 
 #: Flags that make SGLang 0.5.23 serve a hybrid GDN model on a CPU without AMX, up to the Mamba
 #: radix-cache strategy's name (:data:`CPU_SERVER_ARGS`, :data:`CPU_EXTRA_BUFFER_SERVER_ARGS`).
@@ -151,36 +152,6 @@ def _tail(path: Path, n_chars: int = 6000) -> str:
     return text[-n_chars:]
 
 
-def _group(pgid: int) -> dict[int, str]:
-    """pid -> command line of the live processes in group ``pgid`` (Linux ``/proc``; zombies, which
-    wait for init to reap them, are not live)."""
-    out: dict[int, str] = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if (
-                os.getpgid(int(proc.name)) == pgid
-                and (proc / "stat").read_text().split(")")[-1].split()[0] != "Z"
-            ):
-                out[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def kill_group_but_tracker(pgid: int, grace_s: float = 5.0) -> None:
-    """SIGKILL the live processes of group ``pgid`` except multiprocessing's resource tracker (which
-    then unlinks what they registered) and the calling process, then give the tracker up to
-    ``grace_s`` seconds to clean up and exit."""
-    me = os.getpid()
-    for pid, cmd in _group(pgid).items():
-        if pid != me and "multiprocessing.resource_tracker" not in cmd:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + grace_s
-    while set(_group(pgid)) - {me} and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def _mapped_shm(pids: Sequence[int]) -> set[str]:
     """The ``/dev/shm`` files mapped by ``pids``."""
     out: set[str] = set()
@@ -285,7 +256,7 @@ class SGLangServer:
         before stopping."""
         proc, self.proc = self.proc, None
         if proc is not None:
-            shm = _mapped_shm(list(_group(proc.pid))) if proc.poll() is None else set()
+            shm = _mapped_shm(list(live_group(proc.pid))) if proc.poll() is None else set()
             kill_group_but_tracker(proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)

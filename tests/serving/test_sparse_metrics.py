@@ -17,7 +17,8 @@ if any(importlib.util.find_spec(m) is None for m in ("torch", "sglang", "transfo
 import requests  # noqa: E402
 
 from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
-from sglang_sparse.testing.server import SGLangServer, _group, _mapped_shm  # noqa: E402
+from sglang_sparse.testing.process_group import live_group  # noqa: E402
+from sglang_sparse.testing.server import SGLangServer, _mapped_shm  # noqa: E402
 
 VOCAB = 4096
 PREFIX = [(i * 53 + 29) % (VOCAB - 4) + 4 for i in range(160)]
@@ -40,11 +41,11 @@ def test_sparse_stats_on_metrics(tmp_path: Path) -> None:
         srv.generate(PREFIX + [7, 8], max_new_tokens=4)  # the update runs as the scheduler plans a prefill
         text = requests.get(f"{srv.url}/metrics", timeout=30).text
         pgid = srv.proc.pid
-        group = _group(pgid)
+        group = live_group(pgid)
         shm = _mapped_shm(list(group))
     # the stop (SIGKILL) leaves no process of the server and none of the /dev/shm files it mapped
     assert len(group) >= 3 and shm, (group, shm)  # launcher, scheduler, detokenizer; SGLang's segment
-    assert _group(pgid) == {} and not any(Path(f).exists() for f in shm), (_group(pgid), shm)
+    assert live_group(pgid) == {} and not any(Path(f).exists() for f in shm), (live_group(pgid), shm)
     assert _value(text, "requests") >= 3
     assert _value(text, "hit_requests") >= 1
     assert _value(text, "kv_hit_tokens") >= len(PREFIX) // 2
