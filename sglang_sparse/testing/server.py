@@ -34,11 +34,14 @@ from sglang_sparse.testing.process_group import kill_group_but_tracker, live_gro
 
 #: Flags that make SGLang 0.5.23 serve a hybrid GDN model on a CPU without AMX, up to the Mamba
 #: radix-cache strategy's name (:data:`CPU_SERVER_ARGS`, :data:`CPU_EXTRA_BUFFER_SERVER_ARGS`).
+#: ``--sleep-on-idle``: an idle scheduler otherwise busy-polls a whole core, so on a 2-core machine
+#: every live idle server halved what the others (the server under test, the reference) got.
 _CPU_ARGS: tuple[str, ...] = (
     "--device",
     "cpu",
     "--skip-tokenizer-init",
     "--disable-cuda-graph",
+    "--sleep-on-idle",
     "--dtype",
     "float32",
     "--mem-fraction-static",

@@ -39,6 +39,7 @@ def cpu_engine(model_path: str | Path, **kwargs: Any) -> Iterator[Any]:
         max_total_tokens=4096,
         max_mamba_cache_size=16,
         log_level="error",
+        sleep_on_idle=True,  # an idle scheduler busy-polls a core otherwise
     )
     defaults.update(kwargs)
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. a server fixture's
