@@ -144,3 +144,27 @@ def test_layer_order() -> None:
         if (lo := _layer(e.src)) is not None and (hi := _layer(e.dst)) is not None and hi > lo
     ]
     assert not bad, "layer order violated:\n" + "\n".join(bad)
+
+
+#: The most lines a module of the package may have. SGLang's ``mem_cache/radix_cache.py``, the
+#: tree the guide names as read in one sitting, has 832; 1,200 leaves that room plus a half for
+#: docstrings that state invariants and units. A module that grows past it is split by purpose.
+MAX_MODULE_LINES = 1200
+
+
+def module_lines(root: Path = ROOT) -> dict[str, int]:
+    """Dotted module name -> its line count."""
+    return {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in _modules(root).items()}
+
+
+def oversized(lines: dict[str, int], limit: int = MAX_MODULE_LINES) -> list[str]:
+    """``"module: N lines"`` for every module over ``limit``, largest first."""
+    return [f"{m}: {n} lines" for m, n in sorted(lines.items(), key=lambda kv: -kv[1]) if n > limit]
+
+
+def test_size_check_names_what_is_too_long() -> None:
+    assert oversized({"a": 10, "b": 1300, "c": 1201}, limit=1200) == ["b: 1300 lines", "c: 1201 lines"]
+
+
+def test_no_module_over_the_size_limit() -> None:
+    assert oversized(module_lines()) == [], f"split these by purpose (limit {MAX_MODULE_LINES})"
