@@ -18,13 +18,11 @@ import logging
 import sys
 from typing import Any
 
+from sglang_sparse.sglang_adapter.sglang_internals import CAPTURE_HOOKS, HOOKS
+
 logger = logging.getLogger("sglang_sparse")
 
 BACKEND_NAME = "sparse"
-_ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
-_STATE_TARGET = (
-    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_env_vars"
-)
 _registered = False
 
 
@@ -40,59 +38,42 @@ def register() -> None:
         register_radix_cache_backend(BACKEND_NAME, sparse_cache_factory)
     except ValueError:  # already registered in this process
         pass
-    HookRegistry.register(_ADDER_TARGET, _adder_class_hook, HookType.AROUND)
-    HookRegistry.register(_STATE_TARGET, _internal_state_hook, HookType.AFTER)
-    HookRegistry.register(_SERVER_ARGS_TARGET, _server_args_hook, HookType.AFTER)
-    # SGLANG_SPARSE_CAPTURE=forward (sglang_sparse.sglang_adapter.capture, .track_capture); each
-    # hook is a no-op unless this process built a sparse backend with in-forward capture, and
-    # imports nothing until then.
-    HookRegistry.register(_CAPTURE_PREPARE_TARGET, _capture_prepare_hook, HookType.AFTER)
-    HookRegistry.register(_CAPTURE_INIT_NEW_TARGET, _capture_init_new_hook, HookType.AFTER)
-    for target in _CAPTURE_METADATA_TARGETS:
-        HookRegistry.register(target, _capture_metadata_hook, HookType.AFTER)
-    HookRegistry.register(_CAPTURE_EXTEND_TARGET, _capture_extend_hook, HookType.AROUND)
-    HookRegistry.register(_CAPTURE_MIXER_TARGET, _capture_mixer_hook, HookType.AROUND)
-    HookRegistry.register(_CAPTURE_DONE_TARGET, _capture_done_hook, HookType.AFTER)
-    HookRegistry.register(_CAPTURE_GRAPH_TARGET, _capture_graph_hook, HookType.AROUND)
-    # extra_buffer: decode-time states on the policy's grid, tracked only for requests whose plan
-    # wants a state past the prompt (capture.refine_decode_tracks).
-    HookRegistry.register(_TRACK_GRID_TARGET, _track_grid_hook, HookType.AROUND)
-    HookRegistry.register(_DECODE_TARGET, _prepare_for_decode_hook, HookType.AFTER)
-    HookRegistry.register(_TRACK_UPDATE_TARGET, _track_update_hook, HookType.AROUND)
-    # /v1/chat/completions: message boundaries become planned states (tree_policy.add_chat_boundaries).
-    HookRegistry.register(_CHAT_TARGET, _chat_request_hook, HookType.AFTER)
+    for role, fn in _hook_handlers().items():
+        HookRegistry.register(HOOKS[role].target, fn, getattr(HookType, HOOKS[role].kind))
     _registered = True
 
 
-_CAPTURE_PREPARE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend"
-_CAPTURE_INIT_NEW_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
-_HYBRID_BACKEND = "sglang.srt.layers.attention.hybrid_linear_attn_backend"
-_CAPTURE_METADATA_TARGETS = (
-    "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.init_forward_metadata",
-    f"{_HYBRID_BACKEND}.Mamba2AttnBackend.init_forward_metadata",
-)
-_CAPTURE_EXTEND_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.extend"
-_CAPTURE_MIXER_TARGET = "sglang.srt.layers.attention.mamba.mamba.MambaMixer2.forward"
-_CAPTURE_DONE_TARGET = f"{_HYBRID_BACKEND}.MambaAttnBackendBase._track_mamba_state_extend"
-_CAPTURE_GRAPH_TARGET = (
-    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph"
-)
-#: hooks the capture needs in the scheduler (the graph veto matters only where prefill graphs run)
-_CAPTURE_TARGETS = (
-    _CAPTURE_PREPARE_TARGET,
-    _CAPTURE_INIT_NEW_TARGET,
-    *_CAPTURE_METADATA_TARGETS,
-    _CAPTURE_EXTEND_TARGET,
-    _CAPTURE_MIXER_TARGET,
-    _CAPTURE_DONE_TARGET,
-)
-_TRACK_GRID_TARGET = "sglang.srt.runtime_context.mamba_track_grid"
-_DECODE_TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
-_TRACK_UPDATE_TARGET = (
-    "sglang.srt.managers.scheduler_components.batch_result_processor."
-    "SchedulerBatchResultProcessor._mamba_prefix_cache_update"
-)
-_CHAT_TARGET = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request"
+def _hook_handlers() -> dict[str, Any]:
+    """role of :data:`.sglang_internals.HOOKS` (its target and ``HookType``) -> this module's hook
+    function; the roles equal HOOKS' (``tests/test_sglang_internals.py``)."""
+    return {
+        "adder": _adder_class_hook,
+        "internal_state": _internal_state_hook,
+        "server_args": _server_args_hook,
+        # SGLANG_SPARSE_CAPTURE=forward (sglang_sparse.sglang_adapter.capture, .track_capture); each
+        # hook is a no-op unless this process built a sparse backend with in-forward capture, and
+        # imports nothing until then.
+        "capture_prepare": _capture_prepare_hook,
+        "capture_init_new": _capture_init_new_hook,
+        "capture_metadata_gdn": _capture_metadata_hook,
+        "capture_metadata_mamba2": _capture_metadata_hook,
+        "capture_extend": _capture_extend_hook,
+        "capture_mixer": _capture_mixer_hook,
+        "capture_done": _capture_done_hook,
+        "capture_graph": _capture_graph_hook,
+        # extra_buffer: decode-time states on the policy's grid, tracked only for requests whose
+        # plan wants a state past the prompt (capture.refine_decode_tracks).
+        "track_grid": _track_grid_hook,
+        "decode": _prepare_for_decode_hook,
+        "track_update": _track_update_hook,
+        # /v1/chat/completions: message boundaries become planned states
+        # (tree_policy.add_chat_boundaries).
+        "chat": _chat_request_hook,
+    }
+
+
+#: hooks the capture needs in the scheduler (dotted targets: :data:`.sglang_internals.CAPTURE_HOOKS`)
+_CAPTURE_TARGETS = tuple(HOOKS[role].target for role in CAPTURE_HOOKS)
 
 
 def _chat_request_hook(result, self, request, *args, **kwargs):
@@ -211,9 +192,6 @@ def _capture_hooks_applied() -> bool:
         if fn is None or not hasattr(fn, "__wrapped__"):
             return False
     return True
-
-
-_SERVER_ARGS_TARGET = "sglang.srt.server_args.prepare_server_args"
 
 
 def launcher_problems(server_args: Any) -> list[str]:

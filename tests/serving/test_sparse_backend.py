@@ -484,7 +484,7 @@ def test_the_flag_leaves_sglangs_strategy_resolution_alone() -> None:
         for target, hooks in HookRegistry._hooks.items()  # noqa: SLF001
         if any(getattr(h, "__module__", "").startswith("sglang_sparse") for _, h, _ in hooks)
     }
-    assert plugin._CHAT_TARGET in ours and plugin._TRACK_GRID_TARGET in ours, ours
+    assert plugin.HOOKS["chat"].target in ours and plugin.HOOKS["track_grid"].target in ours, ours
     # the one argument hook of the package is the CPU plugin's HiCache io backend (sgl_kernel_cpu/hicache.py)
     hicache_io = "sglang.srt.arg_groups.hicache_hook.resolve_layout_io_compatibility"
     assert not [t for t in ours if ".arg_groups." in t and t != hicache_io], ours
