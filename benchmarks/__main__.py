@@ -2,8 +2,9 @@
 
 ``python -m benchmarks`` runs every stage with its default (small) size; ``--only`` picks
 stages, ``--quick`` shrinks each one. Each stage prints its table and writes JSON/PNG under
-``benchmarks/results/`` (smoke-size runs under ``benchmarks/results/quick/``, git-ignored, so they
-never overwrite the committed full results). Stages:
+``benchmarks/results/local/`` (git-ignored: a run leaves the checkout clean; ``--quick``:
+``benchmarks/results/local/quick/``); ``--commit-results`` writes to ``benchmarks/results/``,
+the committed figures, instead. It ends with one screen naming every file it wrote. Stages:
 
 * ``traces``    - build the four traces from ``../shared/data`` into ``traces/build/``
 * ``placement`` - checkpoint placement Pareto fronts + DP solve time (benchmarks/placement.py)
@@ -24,8 +25,9 @@ import importlib
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from ._common import REPO
+from ._common import LOCAL_RESULTS, REPO, RESULTS, use_results_root
 
 STAGES = ("traces", "placement", "sim", "serving", "serving_load")
 
@@ -67,13 +69,58 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", choices=STAGES, default=list(STAGES), help="stages to run, in order")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    ap.add_argument(
+        "--commit-results",
+        action="store_true",
+        help=f"write to {_shown(RESULTS)}/ (the committed figures) instead of {_shown(LOCAL_RESULTS)}/ "
+        "(git-ignored)",
+    )
     args = ap.parse_args(argv)
-    for name in args.only:
-        t0 = time.perf_counter()
-        print(f"\n[benchmarks] === {name} ===", flush=True)
-        run_stage(name, args.quick)
-        print(f"[benchmarks] {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    root = results_root_for(args.commit_results)
+    use_results_root(root)
+    started = time.time()
+    walls: dict[str, float] = {}
+    try:
+        for name in args.only:
+            t0 = time.perf_counter()
+            print(f"\n[benchmarks] === {name} ===", flush=True)
+            run_stage(name, args.quick)
+            walls[name] = time.perf_counter() - t0
+            print(f"[benchmarks] {name} done in {walls[name]:.0f} s", flush=True)
+    finally:
+        use_results_root(None)
+    print(summary(walls, written_since(root, started)), flush=True)
     return 0
+
+
+def results_root_for(commit: bool) -> Path:
+    """Where a run with ``--commit-results`` = ``commit`` writes."""
+    return RESULTS if commit else LOCAL_RESULTS
+
+
+def written_since(root: Path, t0: float) -> list[Path]:
+    """The JSON and PNG files under ``root`` modified at or after ``t0`` (epoch seconds), sorted."""
+    if not root.exists():
+        return []
+    return sorted(p for p in root.rglob("*") if p.suffix in (".json", ".png") and p.stat().st_mtime >= t0)
+
+
+def summary(walls: dict[str, float], files: list[Path]) -> str:
+    """The closing screen: each stage's wall time, then the plots and the JSON the run wrote."""
+    lines = ["", "[benchmarks] summary"]
+    lines += [f"  {name:<13} {wall:7.0f} s" for name, wall in walls.items()]
+    for kind, suffix in (("plots", ".png"), ("results", ".json")):
+        picked = [p for p in files if p.suffix == suffix]
+        lines.append(f"  {kind} ({len(picked)}):")
+        lines += [f"    {_shown(p)}" for p in picked] or ["    (none)"]
+    return "\n".join(lines)
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":

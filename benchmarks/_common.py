@@ -11,17 +11,37 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from sglang_sparse.progress import bar_options
+
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
+#: the committed results (written by a script run on its own, or by the main job's --commit-results)
 RESULTS = REPO / "benchmarks" / "results"
+#: the main job's default results folder (git-ignored), so a run leaves the checkout clean
+LOCAL_RESULTS = RESULTS / "local"
 #: where ``--quick`` (smoke) runs write, so they never overwrite the committed full results
 QUICK_RESULTS = RESULTS / "quick"
 
+_root: Path | None = None
+
+
+def use_results_root(root: Path | None) -> None:
+    """Make :func:`results_dir` answer ``root`` (full runs) and ``root/quick`` (smoke runs) in this
+    process; ``None``: back to :data:`RESULTS`."""
+    global _root
+    _root = root
+
+
+def results_root() -> Path:
+    """The folder full runs write to (:data:`RESULTS` unless :func:`use_results_root` chose one)."""
+    return RESULTS if _root is None else _root
+
 
 def results_dir(quick: bool) -> Path:
-    """``benchmarks/results`` for full runs, ``benchmarks/results/quick`` (git-ignored) for smoke runs."""
-    d = QUICK_RESULTS if quick else RESULTS
+    """The results root for full runs (default ``benchmarks/results``) and its ``quick`` subfolder
+    for smoke runs (``benchmarks/results/quick``, git-ignored), created if missing."""
+    d = results_root() / "quick" if quick else results_root()
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -44,20 +64,20 @@ def write_json(name: str | Path, payload: dict[str, Any], out_dir: Path = RESULT
 
 
 def progress(it: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
-    """tqdm when installed (to stderr), else the bare iterable."""
+    """tqdm when installed (to stderr, :func:`bar_options`), else the bare iterable."""
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is in the bench extra
         yield from it
         return
-    yield from tqdm(it, total=total, desc=desc, leave=False, dynamic_ncols=True)
+    yield from tqdm(it, total=total, desc=desc, leave=False, **bar_options())
 
 
 def bar(total: int, desc: str) -> Any:
-    """A tqdm progress bar of ``total`` steps on stderr."""
+    """A tqdm progress bar of ``total`` steps on stderr (:func:`bar_options`)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, **bar_options())
 
 
 def pyplot() -> Any | None:

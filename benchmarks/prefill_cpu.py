@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from tqdm import tqdm
 
     from sglang_sparse.models.tiny import SIZES, make_tiny_model
+    from sglang_sparse.progress import bar_options
     from sglang_sparse.testing.server import SGLangServer
 
     spec = SIZES["bench"]
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return [next(first_ids)] + [rng.randrange(4, spec.vocab_size) for _ in range(n - 1)]
 
         server.generate(prompt(min(args.tokens)), max_new_tokens=1)  # warm-up
-        for n, rep in tqdm(plan, desc="prefill", unit="req"):
+        for n, rep in tqdm(plan, desc="prefill", unit="req", **bar_options()):
             ids = prompt(n)
             t = time.perf_counter()
             out = server.generate(ids, max_new_tokens=1)

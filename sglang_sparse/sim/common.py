@@ -116,7 +116,9 @@ def progress_range(n: int, show: bool, name: str, cache_bytes: float) -> Iterabl
         return range(n)
     from tqdm import tqdm
 
-    return tqdm(range(n), desc=f"{name}@{cache_bytes / 2**30:.1f}GiB", leave=False)
+    from sglang_sparse.progress import bar_options
+
+    return tqdm(range(n), desc=f"{name}@{cache_bytes / 2**30:.1f}GiB", leave=False, **bar_options())
 
 
 def prepare_requests(requests: Sequence[SimRequest]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -98,7 +98,9 @@ def _progress(names: list[str], quiet: bool) -> Any:
         from tqdm import tqdm
     except ImportError:
         return _NoBar(names)
-    return tqdm(names, desc="traces", unit="trace", file=sys.stderr)
+    from sglang_sparse.progress import bar_options
+
+    return tqdm(names, desc="traces", unit="trace", **bar_options(sys.stderr))
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
