@@ -266,3 +266,58 @@ _PARSERS = {
     "demote": _demote,
 }
 _FIELDS = tuple(_PARSERS)
+
+
+#: option -> (the default shown where the field's is None, unit, one-line meaning): the README's
+#: options table (:func:`options_table`); the full meanings are ``docs/sparse_backend.md``, *Options*
+OPTION_HELP: dict[str, tuple[str, str, str]] = {
+    "policy": ("", "name", "the cache policy: {serving_policies}"),
+    "edge_budget": ("", "states", "per-edge checkpoint budget `M` of the DP plan"),
+    "gamma": ("", "", "decay of the per-edge depth histogram, in (0, 1]"),
+    "refresh": ("", "observations", "re-plan an edge every N observed depths"),
+    "alpha": ("auto", "", "FLOP-aware eviction weight, or `auto`: tuned by replaying the first window"),
+    "grid": ("auto", "tokens", "candidate-position grid; auto: SGLang's state grid `lcm(64, page)`"),
+    "min_cut_gain": (
+        "auto",
+        "tokens",
+        "skip a capture this close to the previous one; auto: 0 (forward), 32 (cut)",
+    ),
+    "branch_grid": ("auto", "tokens", "grid of the branch point a request creates; auto: `grid`"),
+    "tail_grid": (
+        "auto",
+        "tokens",
+        "grid of the tail prior's positions; auto: the page size with forward capture",
+    ),
+    "tune_window": ("", "requests", "requests per alpha-tuning window"),
+    "retune": ("", "0/1", "re-tune alpha when a window's hit rate drifts by > 5 points"),
+    "log_every": ("", "requests", "a statistics log line every N finished requests; 0: off"),
+    "probation": ("", "states", "first-sight states per new leaf, evicted first; 0: off"),
+    "check_invariants": ("", "0/1", "check the policy's mirror against SGLang's tree after every change"),
+    "capture": ("auto", "mode", "`forward` (states written in the forward) or `cut` (chunks end there)"),
+    "host_bandwidth": ("measured", "bytes/s", "HiCache: host-to-device load bandwidth"),
+    "device_flops": ("measured", "FLOP/s", "HiCache: the device's prefill FLOP/s"),
+    "host_cost": ("", "0/1", "HiCache: value a state net of its expected load"),
+    "demote": ("", "name", "HiCache: device eviction order, `lru` (SGLang's) or `policy`"),
+}
+
+
+def _shown_default(name: str) -> str:
+    value = getattr(SparseConfig(), name)
+    if value is None:
+        return OPTION_HELP[name][0]
+    if isinstance(value, bool):
+        return str(int(value))
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def options_table() -> str:
+    """The options as a markdown table (variable, default, unit, meaning), in field order."""
+    from sglang_sparse.policy import POLICY_NAMES, get_policy
+
+    serving = ", ".join(f"`{n}`" for n in POLICY_NAMES if not get_policy(n).needs_law_provider)
+    rows = ["| variable | default | unit | meaning |", "| --- | --- | --- | --- |"]
+    for name in _FIELDS:
+        _, unit, meaning = OPTION_HELP[name]
+        meaning = meaning.format(serving_policies=serving)
+        rows.append(f"| `{ENV_PREFIX}{name.upper()}` | {_shown_default(name)} | {unit} | {meaning} |")
+    return "\n".join(rows)
