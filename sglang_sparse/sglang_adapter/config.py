@@ -17,8 +17,10 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from sglang_sparse.placement import DEFAULT_GRID
 
 ENV_PREFIX = "SGLANG_SPARSE_"
 #: default ``min_cut_gain`` on the chunk-cut capture path (tokens; an extra forward costs ~50-80)
@@ -268,6 +270,52 @@ _PARSERS = {
 _FIELDS = tuple(_PARSERS)
 
 
+def resolve_defaults(
+    config: SparseConfig, *, capture: str, page: int, state_grid: int, extra_buffer: bool
+) -> SparseConfig:
+    """``config`` with every auto option settled for a server: ``capture`` (the resolved mode,
+    :func:`resolve_capture`), ``page`` (``--page-size``, tokens), ``state_grid`` (SGLang's
+    ``mamba_checkpoint_grid``: lcm of the recurrent kernel's chunk and the page, tokens) and the
+    state strategy.
+
+    * ``min_cut_gain``: 0 with in-forward capture (a capture costs one state's copies), else
+      :data:`CUT_MIN_GAIN` (each capture inside a prefill costs an extra forward).
+    * ``grid``: where plans may place states. Off SGLang's state grid a state needs a capture at any
+      page-aligned depth (in-forward capture: GDN's h row + the tail kernel, Mamba2's exact
+      recompute inside its SSM chunk; or no_buffer, whose cut chunk ends are exact), so there
+      ``lcm(64, page)`` whatever the state grid (Mamba2's SSM chunk is 128-256 tokens); on
+      extra_buffer with ``cut`` the state grid (SGLang snapshots states only there).
+    * ``branch_grid``: the grid; ``tail_grid``: the page with in-forward capture, else the grid.
+
+    Raises:
+        SparseConfigError: an explicit grid off the state grid where states exist only on it.
+    """
+    off_grid = capture == "forward" or not extra_buffer
+    for name in ("grid", "branch_grid", "tail_grid"):
+        value = getattr(config, name)
+        if value is not None and not off_grid and value % state_grid:
+            raise SparseConfigError(
+                f"{ENV_PREFIX}{name.upper()}={value} must be a multiple of the state grid {state_grid} "
+                "with extra_buffer and capture=cut (SGLang snapshots states only there)"
+            )
+    if config.grid is not None:
+        grid = config.grid
+    elif off_grid:
+        grid = math.lcm(DEFAULT_GRID, page)
+    else:
+        grid = max(state_grid, DEFAULT_GRID)
+    return replace(
+        config,
+        capture=capture,
+        grid=grid,
+        min_cut_gain=(0 if capture == "forward" else CUT_MIN_GAIN)
+        if config.min_cut_gain is None
+        else config.min_cut_gain,
+        branch_grid=grid if config.branch_grid is None else config.branch_grid,
+        tail_grid=(page if capture == "forward" else grid) if config.tail_grid is None else config.tail_grid,
+    )
+
+
 #: option -> (the default shown where the field's is None, unit, one-line meaning): the README's
 #: options table (:func:`options_table`); the full meanings are ``docs/sparse_backend.md``, *Options*
 OPTION_HELP: dict[str, tuple[str, str, str]] = {
@@ -276,7 +324,11 @@ OPTION_HELP: dict[str, tuple[str, str, str]] = {
     "gamma": ("", "", "decay of the per-edge depth histogram, in (0, 1]"),
     "refresh": ("", "observations", "re-plan an edge every N observed depths"),
     "alpha": ("auto", "", "FLOP-aware eviction weight, or `auto`: tuned by replaying the first window"),
-    "grid": ("auto", "tokens", "candidate-position grid; auto: SGLang's state grid `lcm(64, page)`"),
+    "grid": (
+        "auto",
+        "tokens",
+        "candidate-position grid; auto: `lcm(64, page)` (the state grid with `cut` on extra_buffer)",
+    ),
     "min_cut_gain": (
         "auto",
         "tokens",

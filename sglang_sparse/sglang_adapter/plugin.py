@@ -13,7 +13,6 @@ scheduler, where its exceptions abort server start-up.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from typing import Any
@@ -574,7 +573,7 @@ def sparse_cache_factory(ctx: Any):
         SparseRadixCache,
         make_sparse_tree_core,
     )
-    from .config import CUT_MIN_GAIN, SparseConfig, resolve_capture
+    from .config import SparseConfig, SparseConfigError, resolve_capture, resolve_defaults
     from .tree_policy import TreePolicy
 
     config = SparseConfig.from_env()  # SparseConfigError names the variable
@@ -591,10 +590,13 @@ def sparse_cache_factory(ctx: Any):
     if not extra_buffer and page != 1:
         problems.append(f"no_buffer needs --page-size 1 (got {page})")
     state_grid = _state_grid(page)
-    if config.grid is not None and extra_buffer and config.grid % state_grid:
+    if config.grid is not None and config.grid % page:
+        problems.append(f"SGLANG_SPARSE_GRID={config.grid} must be a multiple of --page-size {page}")
+    elif config.grid is not None and extra_buffer and config.capture == "cut" and config.grid % state_grid:
         problems.append(
             f"SGLANG_SPARSE_GRID={config.grid} must be a multiple of the state grid {state_grid} "
-            f"(lcm of the GDN chunk and --page-size {page}): extra_buffer states exist only there"
+            f"(lcm of the recurrent kernel's chunk and --page-size {page}) with extra_buffer and "
+            "capture=cut: SGLang snapshots states only there"
         )
     problems += _grid_option_problems(config, page)
     if not p.chunked_prefill_size or p.chunked_prefill_size <= 0:
@@ -673,34 +675,12 @@ def sparse_cache_factory(ctx: Any):
         p.component_registry_override[ComponentType.MAMBA] = CaptureMambaComponent
         cache_class = CaptureRadixCache
 
-    # A capture inside a prefill costs an extra forward only on the cut path: there the default
-    # min-cut-gain skips captures worth fewer tokens than that forward; in the forward they are free.
-    if config.min_cut_gain is None:
-        config = dataclasses.replace(config, min_cut_gain=0 if capture == "forward" else CUT_MIN_GAIN)
-    # The policy's grid: where it may place states. extra_buffer snapshots states (and the KV match
-    # resumes) only on the state grid; no_buffer keeps the 64-token chunk grid by default.
-    grid = config.grid if config.grid is not None else max(state_grid, DEFAULT_GRID)
-    # Branch and tail grids off the state grid need a state at any page-aligned depth inside a
-    # prefill (in-forward capture, or no_buffer's checkpoint at a cut chunk end). Branch grid auto:
-    # the grid (docs/sparse_backend.md, SGLANG_SPARSE_BRANCH_GRID, says why exact is opt-in).
-    off_grid = capture == "forward" or not extra_buffer
-    for env, value in (("BRANCH_GRID", config.branch_grid), ("TAIL_GRID", config.tail_grid)):
-        if value is not None and not off_grid and value % state_grid:
-            raise SparseBackendError(
-                f"--radix-cache-backend sparse: SGLANG_SPARSE_{env}={value} must be a multiple of "
-                f"the state grid {state_grid} with extra_buffer and capture=cut (SGLang snapshots "
-                "states only there)"
-            )
-    branch_grid = config.branch_grid if config.branch_grid is not None else grid
-    # Tail prior positions: at the predicted depth (page-aligned) where a state there costs a copy
-    # (in-forward capture), else on the grid below it (on the cut path each one is a forward).
-    if config.tail_grid is not None:
-        tail_grid = config.tail_grid
-    else:
-        tail_grid = page if capture == "forward" else grid
-    config = dataclasses.replace(
-        config, capture=capture, grid=grid, branch_grid=branch_grid, tail_grid=tail_grid
-    )
+    try:  # every auto option settled (config.resolve_defaults)
+        config = resolve_defaults(
+            config, capture=capture, page=page, state_grid=state_grid, extra_buffer=extra_buffer
+        )
+    except SparseConfigError as exc:
+        raise SparseBackendError(f"--radix-cache-backend sparse: {exc}") from None
     policy = TreePolicy(
         config,
         budget_bytes=budget,
@@ -732,7 +712,7 @@ def sparse_cache_factory(ctx: Any):
         from .capture import set_decode_grid
 
         # Decode tracks on the policy's grid; refine_decode_tracks keeps only the rows that want one.
-        set_decode_grid(grid)
+        set_decode_grid(config.grid)
         cache.decode_tracking = True
     overlap = not getattr(getattr(ctx, "server_args", None), "disable_overlap_schedule", True)
     logger.info(
@@ -741,7 +721,7 @@ def sparse_cache_factory(ctx: Any):
         kv_tokens,
         mamba_slots,
         state_bytes,
-        startup_summary(extra_buffer, overlap, page, capture, grid, capture_reason),
+        startup_summary(extra_buffer, overlap, page, capture, config.grid, capture_reason),
     )
     return cache
 
@@ -771,9 +751,6 @@ def startup_summary(
     return f"{path}; capture={capture} ({reason}: {how})"
 
 
-DEFAULT_GRID = 64
-
-
 def _state_grid(page: int) -> int:
     """SGLang's state grid: ``lcm(GDN cache chunk, page)`` (``mamba_checkpoint_grid``); 64 (the
     FLA chunk) when SGLang's runtime context cannot tell (unit tests without a server)."""
@@ -783,6 +760,8 @@ def _state_grid(page: int) -> int:
         return int(mamba_checkpoint_grid(page))
     except Exception:  # noqa: BLE001 - not inside a resolved SGLang process
         import math
+
+        from sglang_sparse.placement import DEFAULT_GRID
 
         return math.lcm(DEFAULT_GRID, max(int(page), 1))
 
