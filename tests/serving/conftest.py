@@ -18,3 +18,18 @@ def nocache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NoCacheReferen
         yield ref
     finally:
         ref.stop()
+
+
+#: the tiny Nemotron-H of the Mamba2 serving tests (SSM chunk 128: SGLang's state grid lcm(128, page))
+NEMOTRON_H = {"arch": "nemotron_h", "mamba_chunk_size": 128}
+
+
+@pytest.fixture(scope="session")
+def nemotron_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NoCacheReference]:
+    """The session's ``--disable-radix-cache`` server on the tiny Nemotron-H (:data:`NEMOTRON_H`,
+    seed 0), shared by every module that serves it; started on first use."""
+    ref = NoCacheReference(tmp_path_factory.mktemp("nocache_nemotron_h"), **NEMOTRON_H)
+    try:
+        yield ref
+    finally:
+        ref.stop()

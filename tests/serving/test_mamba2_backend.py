@@ -1,7 +1,8 @@
 """``--radix-cache-backend sparse`` on a Mamba2 hybrid (tiny Nemotron-H) on the real CPU server.
 
 The model: attention, Mamba2 and MLP blocks (``M-M*M-``), SSM chunk 128 (real Mamba2 checkpoints use
-128-256), so SGLang's state grid is ``lcm(128, page)`` and the policy's grid follows the model.
+128-256), so SGLang's state grid is ``lcm(128, page)``; the plans' grid stays ``lcm(64, page)`` (the
+capture recomputes exact states inside an SSM chunk).
 SGLang's Mamba2 kernels run through the project's CPU stand-ins (``sgl_kernel_cpu/mamba2.py``).
 
 * Four servers, one at a time: native and sparse on no_buffer, native and sparse on extra_buffer
@@ -22,7 +23,6 @@ About 10 minutes on 2 cores.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +64,10 @@ CONFIGS = {  # name: (strategy, extra flags)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NoCacheReference]:
-    """This module's ``--disable-radix-cache`` server on the tiny Nemotron-H."""
-    ref = NoCacheReference(tmp_path_factory.mktemp("nocache_nemotron_h"), arch=ARCH, **MODEL)
-    try:
-        yield ref
-    finally:
-        ref.stop()
+def reference(nemotron_reference: NoCacheReference) -> NoCacheReference:
+    """The session's ``--disable-radix-cache`` server on the tiny Nemotron-H (``conftest.py``)."""
+    assert nemotron_reference.model_dir.exists()
+    return nemotron_reference
 
 
 @pytest.fixture(scope="module")
