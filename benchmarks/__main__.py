@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         "(git-ignored)",
     )
     args = ap.parse_args(argv)
-    root = results_root_for(args.commit_results)
+    root = RESULTS if args.commit_results else LOCAL_RESULTS
     use_results_root(root)
     started = time.time()
     walls: dict[str, float] = {}
@@ -91,11 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         use_results_root(None)
     print(summary(walls, written_since(root, started)), flush=True)
     return 0
-
-
-def results_root_for(commit: bool) -> Path:
-    """Where a run with ``--commit-results`` = ``commit`` writes."""
-    return RESULTS if commit else LOCAL_RESULTS
 
 
 def written_since(root: Path, t0: float) -> list[Path]:

@@ -20,8 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 #: the main job's default results folder (git-ignored), so a run leaves the checkout clean
 LOCAL_RESULTS = RESULTS / "local"
-#: where ``--quick`` (smoke) runs write, so they never overwrite the committed full results
-QUICK_RESULTS = RESULTS / "quick"
 
 _root: Path | None = None
 
@@ -40,7 +38,8 @@ def results_root() -> Path:
 
 def results_dir(quick: bool) -> Path:
     """The results root for full runs (default ``benchmarks/results``) and its ``quick`` subfolder
-    for smoke runs (``benchmarks/results/quick``, git-ignored), created if missing."""
+    for smoke runs (``benchmarks/results/quick``, git-ignored, so they never overwrite the committed
+    full results), created if missing."""
     d = results_root() / "quick" if quick else results_root()
     d.mkdir(parents=True, exist_ok=True)
     return d

@@ -18,8 +18,8 @@ word-level tokenizer):
   far two server processes of one configuration differ (the floor for reading any A/B ratio).
 
 Server flags on top of :data:`sglang_sparse.testing.server.CPU_SERVER_ARGS`: the tokenizer on (the
-client sends text and times streamed text), ``--sleep-on-idle`` (an idle server otherwise spins a
-core), ``--chunked-prefill-size --chunk``, a chat template and the pools below. Load: SGLang's client
+client sends text and times streamed text; ``--sleep-on-idle`` is among the CPU flags),
+``--chunked-prefill-size --chunk``, a chat template and the pools below. Load: SGLang's client
 (``sglang.benchmark.serving`` via :mod:`benchmarks.bench_client`, one persistent process), Poisson
 arrivals at each ``--rates`` value plus one run capped at ``--max-concurrency`` requests in flight
 (rate ``inf``); it measures req/s, output tok/s, TTFT p50/p95/p99 and ITL p50/p95 (ms).
@@ -200,7 +200,7 @@ SPARSE_GAUGES = (
 )
 
 #: the flags of :func:`server_args` every configuration gets, as the JSON records them (then the chunk)
-COMMON_FLAGS = ("--sleep-on-idle", "--chat-template", "<word template>", "--chunked-prefill-size")
+COMMON_FLAGS = ("--chat-template", "<word template>", "--chunked-prefill-size")
 #: resident memory of one tiny-model CPU server (4 processes; measured 1.95 GB), GB
 SERVER_RSS_GB = 2.1
 
@@ -476,9 +476,9 @@ def tiny_model(work_dir: Path, size: str = "tiny", model_dir: Path | None = None
 
 
 def server_args(config: str, chunk: int, chat_template: Path) -> list[str]:
-    """Extra server flags of ``config`` on top of the CPU defaults (tokenizer on, sleep on idle)."""
+    """Extra server flags of ``config`` on top of the CPU defaults (which sleep on idle)."""
     flags, template, size = CONFIGS[config_base(config)][0], str(chat_template), str(chunk)
-    return ["--sleep-on-idle", "--chat-template", template, "--chunked-prefill-size", size, *flags]
+    return ["--chat-template", template, "--chunked-prefill-size", size, *flags]
 
 
 def make_server(

@@ -4,8 +4,10 @@ committed results, names what it wrote at the end, and its progress bars are thr
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,9 +61,6 @@ def test_commit_results_writes_the_committed_folder(fake_stages: dict[str, Path]
 def test_written_since_lists_only_new_json_and_png(tmp_path: Path) -> None:
     old = tmp_path / "old.json"
     old.write_text("{}")
-    import os
-    import time
-
     os.utime(old, (time.time() - 100, time.time() - 100))
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "new.png").write_bytes(b"")

@@ -241,10 +241,15 @@ def unsupported_modes(server_args: Any) -> list[str]:
 
 
 def _grid_option_problems(config: Any, page: int) -> list[str]:
-    """``SGLANG_SPARSE_BRANCH_GRID`` and ``SGLANG_SPARSE_TAIL_GRID`` against ``--page-size``
-    (launcher and factory alike)."""
+    """``SGLANG_SPARSE_GRID``, ``_BRANCH_GRID`` and ``_TAIL_GRID`` against ``--page-size`` (launcher
+    and factory alike; against the state grid: ``config.resolve_defaults``, once the capture mode is
+    resolved)."""
     out = []
-    for env, value in (("BRANCH_GRID", config.branch_grid), ("TAIL_GRID", config.tail_grid)):
+    for env, value in (
+        ("GRID", config.grid),
+        ("BRANCH_GRID", config.branch_grid),
+        ("TAIL_GRID", config.tail_grid),
+    ):
         if value is not None and value % page:
             out.append(
                 f"SGLANG_SPARSE_{env}={value} must be a multiple of --page-size {page} "
@@ -590,14 +595,6 @@ def sparse_cache_factory(ctx: Any):
     if not extra_buffer and page != 1:
         problems.append(f"no_buffer needs --page-size 1 (got {page})")
     state_grid = _state_grid(page)
-    if config.grid is not None and config.grid % page:
-        problems.append(f"SGLANG_SPARSE_GRID={config.grid} must be a multiple of --page-size {page}")
-    elif config.grid is not None and extra_buffer and config.capture == "cut" and config.grid % state_grid:
-        problems.append(
-            f"SGLANG_SPARSE_GRID={config.grid} must be a multiple of the state grid {state_grid} "
-            f"(lcm of the recurrent kernel's chunk and --page-size {page}) with extra_buffer and "
-            "capture=cut: SGLang snapshots states only there"
-        )
     problems += _grid_option_problems(config, page)
     if not p.chunked_prefill_size or p.chunked_prefill_size <= 0:
         problems.append("needs chunked prefill (--chunked-prefill-size N > 0): cuts are chunk ends")

@@ -33,11 +33,10 @@ pytestmark = pytest.mark.serving
 
 require_serving_stack(cpu_platform=True)
 
-from sparse_testing.reference import REFERENCE_CONTEXT, NoCacheReference  # noqa: E402
+from sparse_testing.reference import NoCacheReference  # noqa: E402
 from sparse_testing.storm import new_tokens, run_storm, storm_prompts  # noqa: E402
 from test_sparse_backend import NEW, assert_one_tree, toks, workload  # noqa: E402
 
-from sglang_sparse.models.tiny import make_tiny_model  # noqa: E402
 from sglang_sparse.testing.server import SGLangServer, strategy_setup  # noqa: E402
 from sglang_sparse.testing.sessions import mismatches, run_sessions, sample_turns  # noqa: E402
 
@@ -66,15 +65,13 @@ CONFIGS = {  # name: (strategy, extra flags)
 @pytest.fixture(scope="module")
 def reference(nemotron_reference: NoCacheReference) -> NoCacheReference:
     """The session's ``--disable-radix-cache`` server on the tiny Nemotron-H (``conftest.py``)."""
-    assert nemotron_reference.model_dir.exists()
     return nemotron_reference
 
 
 @pytest.fixture(scope="module")
 def model_dir(reference: NoCacheReference) -> Path:
-    return make_tiny_model(
-        reference.workdir / "model", arch=ARCH, seed=0, max_position_embeddings=REFERENCE_CONTEXT, **MODEL
-    )
+    """The reference's checkpoint: every server of this module serves the same weights."""
+    return reference.model_dir
 
 
 def _server(model_dir: Path, strategy: str, extra: list[str], **kw: Any) -> SGLangServer:

@@ -58,7 +58,7 @@ def start(model_dir: Path, log: Path, strategy: str, extra: list[str]) -> SGLang
     base, env = strategy_setup(strategy)
     return SGLangServer(
         model_dir,
-        extra_args=["--chunked-prefill-size", "256", "--enable-metrics", "--sleep-on-idle", *extra],
+        extra_args=["--chunked-prefill-size", "256", "--enable-metrics", *extra],
         env={**env, "SGLANG_SPARSE_LOG_EVERY": "0"},
         base_args=tuple(a for a in base if a != "--skip-tokenizer-init"),
         context_length=2048,

@@ -28,7 +28,6 @@ from sparse_testing.storm import new_tokens, run_storm, storm_prompts  # noqa: E
 from test_mamba2_backend import CHECK_ENV, patterns  # noqa: E402
 from test_sparse_backend import toks  # noqa: E402
 
-from sglang_sparse.sglang_adapter.plugin import RANK_AGREEMENT_KEYS  # noqa: E402
 from sglang_sparse.testing.server import SGLangServer, strategy_setup  # noqa: E402
 
 TP = 2
@@ -72,11 +71,10 @@ def test_tp2_ranks_agree_and_tokens_identical(
         done = run_storm(srv, prompts, workers=16)
         assert srv.alive(), srv.log_tail()
         srv.wait_sparse_idle()
-        ranks = srv.sparse_rank_stats()  # raises if the ranks disagree
+        # raises unless /server_info holds every rank and they agree on RANK_AGREEMENT_KEYS
+        ranks = srv.sparse_rank_stats()
         log = srv.log_tail(5_000_000)
     assert len(ranks) == TP, ranks
-    for key in RANK_AGREEMENT_KEYS:
-        assert len({repr(r.get(key)) for r in ranks}) == 1, (key, [r.get(key) for r in ranks])
     for r in ranks:
         print(arch, {k: r[k] for k in ("states_held", "captures_published", "cuts_applied", "alpha")})
         assert r["capture_mode"] == "forward" and r["captures_published"] > 0, r

@@ -64,9 +64,8 @@ class NoCacheReference:
                 self.model_dir,
                 base_args=base,
                 env=env,
-                # the scheduler busy-polls while idle (a whole core) unless told to sleep: this server
-                # idles through most of the session, beside the servers under test
-                extra_args=["--disable-radix-cache", "--sleep-on-idle"],
+                # sleeps on idle (the harness's CPU flags): it idles through most of the session
+                extra_args=["--disable-radix-cache"],
                 context_length=REFERENCE_CONTEXT,
                 max_total_tokens=2 * REFERENCE_CONTEXT,
                 max_mamba_cache_size=8,
